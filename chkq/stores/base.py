@@ -1,0 +1,268 @@
+"""The abstract object-store interface shared by every checkpoint store.
+
+The interface is deliberately minimal (modelled on zarr-python v3's
+``zarr/abc/store.py``): a store maps ``/``-separated relative keys to
+immutable byte strings and offers exactly the operations a write-once,
+lock-free log needs — atomic replace, atomic create-if-absent, read,
+existence, complete sorted listing and idempotent delete.  Concrete stores
+implement the underscore-prefixed hooks; the public methods validate keys
+once, here, so that no backend can be handed a key that escapes its root.
+
+The module also holds the single retry-with-backoff helper used by the
+network stores (S3 and GCS), so that both treat transient failures alike.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TypeVar
+
+__all__ = [
+    "CheckpointStore",
+    "InvalidKeyError",
+    "TransientStoreError",
+    "retry_transient",
+    "validate_key",
+    "validate_prefix",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+WRITE_ID_METADATA = "chkq-write-id"
+"""Object metadata name under which conditional writes stamp their write id."""
+
+
+class InvalidKeyError(ValueError):
+    """A store key is not a clean ``/``-separated relative name."""
+
+
+class TransientStoreError(OSError):
+    """A store operation kept failing with transient errors after all retries.
+
+    Callers (e.g. Celery commit tasks) may retry later; nothing was left
+    half-written, because every store write is atomic.
+    """
+
+
+def _key_problem(key: str) -> str | None:
+    if not isinstance(key, str):
+        return "not a string"
+    if not key:
+        return "empty key"
+    if "\x00" in key:
+        return "contains NUL"
+    if "\\" in key:
+        return "contains a backslash"
+    if key.startswith("/"):
+        return "leading '/'"
+    for part in key.split("/"):
+        if part == "":
+            return "empty path component"
+        if part in (".", ".."):
+            return f"{part!r} path component"
+    return None
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` unchanged if it is a valid store key.
+
+    Parameters
+    ----------
+    key
+        A ``/``-separated relative name such as ``runs/r1/records/abc.json``.
+
+    Returns
+    -------
+    str
+        The same key.
+
+    Raises
+    ------
+    InvalidKeyError
+        If the key is empty, has empty components, ``.`` or ``..``
+        components, a leading ``/``, a backslash or a NUL character; the
+        message names the key, because a bad key is almost always a caller
+        bug that must be traceable.
+    """
+    problem = _key_problem(key)
+    if problem is not None:
+        raise InvalidKeyError(f"invalid store key {key!r}: {problem}")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` unchanged if it is a valid listing prefix.
+
+    A prefix is either empty or a key, optionally with a trailing ``/``
+    (``runs/r1/``) or a partial last component (``runs/r1/rec``).
+
+    Raises
+    ------
+    InvalidKeyError
+        Under the same rules as :func:`validate_key`, applied to the prefix
+        without its trailing ``/``.
+    """
+    if prefix == "":
+        return prefix
+    trimmed = prefix[:-1] if prefix.endswith("/") else prefix
+    problem = _key_problem(trimmed)
+    if problem is not None:
+        raise InvalidKeyError(f"invalid store prefix {prefix!r}: {problem}")
+    return prefix
+
+
+def retry_transient(
+    operation: Callable[[], T],
+    *,
+    is_transient: Callable[[BaseException], bool],
+    what: str,
+    attempts: int = 8,
+    initial_delay: float = 0.1,
+    max_delay: float = 4.0,
+) -> T:
+    """Call ``operation`` and retry it with exponential backoff on transient errors.
+
+    The network clients already retry a few times on their own; this layer
+    adds patience (several seconds in total) so that a store that is briefly
+    unreachable, throttling or answering 409 ConditionalRequestConflict does
+    not fail a commit.  Every store operation is idempotent or a conditional
+    create that recognises its own earlier success, so re-running it is safe.
+
+    Parameters
+    ----------
+    operation
+        A zero-argument callable performing one attempt.
+    is_transient
+        Classifies an exception: True means "retry", False means "re-raise now".
+    what
+        Human-readable description (operation and key) for messages.
+    attempts
+        Maximum number of calls.
+    initial_delay, max_delay
+        Backoff bounds in seconds; each wait is drawn with jitter from
+        ``[delay / 2, delay]`` and ``delay`` doubles up to ``max_delay``.
+
+    Raises
+    ------
+    TransientStoreError
+        When every attempt failed transiently (chained to the last error).
+    """
+    delay = initial_delay
+    for attempt in range(1, attempts + 1):
+        try:
+            return operation()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            if attempt == attempts:
+                raise TransientStoreError(
+                    f"{what}: still failing after {attempts} attempts: {exc}"
+                ) from exc
+            log.info("%s: transient error (attempt %d/%d): %s", what, attempt, attempts, exc)
+            time.sleep(random.uniform(delay / 2, delay))
+            delay = min(delay * 2, max_delay)
+    raise AssertionError("unreachable")
+
+
+class CheckpointStore(ABC):
+    """A minimal key/value object store with atomic writes.
+
+    Every implementation guarantees:
+
+    * ``put`` replaces an object atomically: readers see the old or the new
+      bytes, never a mixture or a truncated object;
+    * ``put_if_absent`` creates an object only if no object has the key,
+      atomically with respect to every other writer, on any machine, and
+      reports a retried-after-lost-response write of the caller's own as a
+      success (True), never as "exists";
+    * ``list`` is sorted and complete (not truncated at one page), and never
+      shows temporaries;
+    * ``get`` raises ``KeyError`` naming the key when it is missing, and
+      ``delete`` of a missing key is a no-op.
+    """
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The URL naming this store (accepted by :func:`chkq.stores.open_store`)."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``, atomically replacing any previous object."""
+        self._put(validate_key(key), bytes(data))
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Create ``key`` with ``data`` unless it exists.
+
+        Returns
+        -------
+        bool
+            True if this call created the object, False if an object already
+            had the key (its content is left untouched).
+        """
+        return self._put_if_absent(validate_key(key), bytes(data))
+
+    def get(self, key: str) -> bytes:
+        """Return the bytes stored under ``key``.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object; the exception's argument is the key.
+        """
+        return self._get(validate_key(key))
+
+    def exists(self, key: str) -> bool:
+        """Return whether an object is stored under ``key``."""
+        return self._exists(validate_key(key))
+
+    def list(self, prefix: str = "") -> builtins.list[str]:
+        """Return every key starting with ``prefix``, sorted, across all pages."""
+        return sorted(self._list(validate_prefix(prefix)))
+
+    def delete(self, key: str) -> None:
+        """Delete ``key``; deleting a missing key is not an error."""
+        self._delete(validate_key(key))
+
+    def modified(self, key: str) -> float:
+        """Return when the object under ``key`` was written (POSIX seconds).
+
+        Used by garbage collection to leave young objects alone: a payload
+        without a record may belong to a commit still in flight.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        return self._modified(validate_key(key))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @abstractmethod
+    def _put(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _put_if_absent(self, key: str, data: bytes) -> bool: ...
+
+    @abstractmethod
+    def _get(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def _modified(self, key: str) -> float: ...

@@ -1,0 +1,309 @@
+"""Amazon S3 and S3-compatible stores: ``s3://bucket/prefix``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+)
+from botocore.exceptions import (
+    ConnectionError as BotoConnectionError,
+)
+
+from chkq.stores.base import (
+    WRITE_ID_METADATA,
+    CheckpointStore,
+    retry_transient,
+    validate_key,
+)
+
+__all__ = ["S3Store"]
+
+T = TypeVar("T")
+
+MiB = 1 << 20
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "ConditionalRequestConflict",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+class _VanishedAfterConflict(Exception):
+    """A 412 named an object that was gone when read back: retry the write."""
+
+
+def _error(exc: ClientError) -> tuple[str, int]:
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(
+        exc, HTTPClientError | BotoConnectionError | IncompleteReadError | _VanishedAfterConflict
+    ):
+        return True
+    if isinstance(exc, ClientError):
+        code, status = _error(exc)
+        return code in _TRANSIENT_CODES or status >= 500 or status == 429
+    return False
+
+
+def _is_not_found(exc: ClientError) -> bool:
+    code, status = _error(exc)
+    return code in _NOT_FOUND_CODES or status == 404
+
+
+def _is_precondition_failed(exc: ClientError) -> bool:
+    code, status = _error(exc)
+    return code == "PreconditionFailed" or status == 412
+
+
+class S3Store(CheckpointStore):
+    """Objects in an S3 bucket under an optional key prefix.
+
+    Endpoint, region and credentials come from the usual AWS variables
+    (``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``, ``AWS_REGION``,
+    ``AWS_ACCESS_KEY_ID``, profiles, instance roles...) unless given.
+
+    ``put_if_absent`` is a conditional PUT (``If-None-Match: *``), as a
+    single request or, above ``multipart_threshold``, as a multipart upload
+    whose *completion* carries the condition (the upload is aborted if
+    anything fails).  A 412 answer is ambiguous: botocore retries a request
+    whose response was lost, and the retry then fails against the caller's
+    own, successful first attempt.  Each conditional write is therefore
+    stamped with a random write id in the object metadata
+    (``x-amz-meta-chkq-write-id``); on 412 the object is read back
+    (``HeadObject``) and the write counts as ours — True — if the id
+    matches.  The write id is used rather than comparing contents because
+    two content-addressed writers legitimately write identical bytes, and
+    only the id says *which* write landed.  409 ConditionalRequestConflict
+    (a concurrent write in flight) and other transient errors are retried
+    with backoff by :func:`chkq.stores.base.retry_transient`.
+
+    Parameters
+    ----------
+    bucket
+        Bucket name.
+    prefix
+        Key prefix inside the bucket (no leading or trailing ``/``).
+    client
+        A boto3 S3 client to use instead of building one.
+    endpoint_url, region_name
+        Overrides for the AWS variables.
+    multipart_threshold
+        Objects at least this large are uploaded in parts.
+    part_size
+        Size of each part (S3 requires at least 5 MiB but for the last).
+    page_size
+        Keys requested per ``ListObjectsV2`` page (at most 1000).
+    attempts
+        Attempts of the outer retry on transient errors.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        client: Any = None,
+        endpoint_url: str | None = None,
+        region_name: str | None = None,
+        multipart_threshold: int = 64 * MiB,
+        part_size: int = 16 * MiB,
+        page_size: int = 1000,
+        attempts: int = 8,
+    ) -> None:
+        if not bucket:
+            raise ValueError("S3Store needs a bucket name")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        self._bucket = bucket
+        self._prefix = prefix + "/" if prefix else ""
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.page_size = page_size
+        self.attempts = attempts
+        if client is None:
+            config = Config(
+                retries={"mode": "standard", "max_attempts": 4},
+                connect_timeout=10,
+                read_timeout=60,
+            )
+            client = boto3.session.Session().client(
+                "s3",
+                endpoint_url=endpoint_url or None,
+                region_name=region_name
+                or os.environ.get("AWS_REGION")
+                or os.environ.get("AWS_DEFAULT_REGION"),
+                config=config,
+            )
+        self._client = client
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self._bucket}/{self._prefix.rstrip('/')}".rstrip("/")
+
+    @property
+    def bucket(self) -> str:
+        """The bucket name."""
+        return self._bucket
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client (exposed for tests and tools)."""
+        return self._client
+
+    def _retry(self, operation: Callable[[], T], what: str) -> T:
+        return retry_transient(
+            operation, is_transient=_is_transient, what=f"{what} ({self.url})",
+            attempts=self.attempts,
+        )
+
+    def _put(self, key: str, data: bytes) -> None:
+        name = self._prefix + key
+
+        def attempt() -> None:
+            if len(data) >= self.multipart_threshold:
+                self._multipart(name, data, {}, conditional=False)
+            else:
+                self._client.put_object(Bucket=self._bucket, Key=name, Body=data)
+
+        self._retry(attempt, f"put {key}")
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        name = self._prefix + key
+        write_id = uuid.uuid4().hex
+        metadata = {WRITE_ID_METADATA: write_id}
+
+        def attempt() -> bool:
+            try:
+                if len(data) >= self.multipart_threshold:
+                    self._multipart(name, data, metadata, conditional=True)
+                else:
+                    self._client.put_object(
+                        Bucket=self._bucket, Key=name, Body=data, IfNoneMatch="*",
+                        Metadata=metadata,
+                    )
+            except ClientError as exc:
+                code, _ = _error(exc)
+                if _is_precondition_failed(exc) or code == "NoSuchUpload":
+                    return self._written_by(name, write_id)
+                raise
+            return True
+
+        return self._retry(attempt, f"put_if_absent {key}")
+
+    def _written_by(self, name: str, write_id: str) -> bool:
+        try:
+            head = self._client.head_object(Bucket=self._bucket, Key=name)
+        except ClientError as exc:
+            if _is_not_found(exc):
+                raise _VanishedAfterConflict(name) from exc
+            raise
+        return bool(head.get("Metadata", {}).get(WRITE_ID_METADATA) == write_id)
+
+    def _multipart(
+        self, name: str, data: bytes, metadata: dict[str, str], *, conditional: bool
+    ) -> None:
+        upload = self._client.create_multipart_upload(
+            Bucket=self._bucket, Key=name, Metadata=metadata
+        )
+        upload_id = upload["UploadId"]
+        try:
+            parts = []
+            step = max(self.part_size, 1)
+            for number, offset in enumerate(range(0, len(data), step), start=1):
+                answer = self._client.upload_part(
+                    Bucket=self._bucket, Key=name, UploadId=upload_id, PartNumber=number,
+                    Body=data[offset : offset + step],
+                )
+                parts.append({"ETag": answer["ETag"], "PartNumber": number})
+            extra = {"IfNoneMatch": "*"} if conditional else {}
+            self._client.complete_multipart_upload(
+                Bucket=self._bucket, Key=name, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}, **extra,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=name, UploadId=upload_id
+                )
+            raise
+
+    def _get(self, key: str) -> bytes:
+        name = self._prefix + key
+
+        def attempt() -> bytes:
+            try:
+                answer = self._client.get_object(Bucket=self._bucket, Key=name)
+            except ClientError as exc:
+                if _is_not_found(exc):
+                    raise KeyError(key) from None
+                raise
+            return bytes(answer["Body"].read())
+
+        return self._retry(attempt, f"get {key}")
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        def attempt() -> dict[str, Any] | None:
+            try:
+                return dict(
+                    self._client.head_object(Bucket=self._bucket, Key=self._prefix + key)
+                )
+            except ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+
+        return self._retry(attempt, f"head {key}")
+
+    def _exists(self, key: str) -> bool:
+        return self._head(key) is not None
+
+    def _modified(self, key: str) -> float:
+        head = self._head(key)
+        if head is None:
+            raise KeyError(key)
+        return float(head["LastModified"].timestamp())
+
+    def _list(self, prefix: str) -> list[str]:
+        def attempt() -> list[str]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            keys: list[str] = []
+            pages = paginator.paginate(
+                Bucket=self._bucket,
+                Prefix=self._prefix + prefix,
+                PaginationConfig={"PageSize": self.page_size},
+            )
+            for page in pages:
+                keys.extend(obj["Key"][len(self._prefix) :] for obj in page.get("Contents", []))
+            return keys
+
+        return self._retry(attempt, f"list {prefix!r}")
+
+    def _delete(self, key: str) -> None:
+        name = self._prefix + key
+        self._retry(
+            lambda: self._client.delete_object(Bucket=self._bucket, Key=name), f"delete {key}"
+        )
