@@ -11,3 +11,11 @@ class CheckpointCorruptionError(Exception):
     payload at fault, and by consolidation when an output row differs from
     the checkpoint file it came from.
     """
+
+
+class OutputMismatchError(ValueError):
+    """A row read back from the written output differs from its checkpoint file."""
+
+
+class CheckpointChangedError(ValueError):
+    """A checkpoint file changed (size, time or inode) after the job was planned."""

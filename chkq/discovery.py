@@ -1,0 +1,96 @@
+"""Finding a run's checkpoints in its output directory (SPEC 1, "Input").
+
+Checkpoint ``NNNNN`` (exactly five digits) of model ``MODEL`` is a file
+``MODEL_chkNNNNN.h5`` or a directory ``MODEL_chkNNNNN/`` of ``.h5`` files,
+one per writer. The file wins over a directory with the same number;
+checkpoints come in ascending number, files in a directory in name order;
+anything else is ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_BAD_MODEL = re.compile(r"[/\\\x00]")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint: its number, where it is, and its files in order."""
+
+    number: int
+    path: Path
+    files: tuple[Path, ...]
+
+    @property
+    def is_directory(self) -> bool:
+        return self.path.is_dir()
+
+
+def check_model_name(model: str) -> str:
+    """Return ``model`` if it can name files in one directory, else raise ValueError.
+
+    A model name reaches chkq from users and from task messages: one with a
+    path separator, ``..`` or a NUL could make a task touch files outside
+    the run's directory.
+    """
+    if not isinstance(model, str) or not model or model in {".", ".."}:
+        raise ValueError(f"invalid model name {model!r}: it must be a non-empty file name")
+    if _BAD_MODEL.search(model) or ".." in model or model.startswith("."):
+        raise ValueError(
+            f"invalid model name {model!r}: it must not contain '/', '\\', '..', NUL "
+            "or start with '.'"
+        )
+    return model
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """Return ``out_dir`` as an absolute path if it is an existing directory."""
+    path = Path(out_dir).expanduser()
+    if not path.is_dir():
+        what = "does not exist" if not path.exists() else "is not a directory"
+        raise NotADirectoryError(f"output directory {str(path)!r} {what}")
+    return path.absolute()
+
+
+def checkpoint_pattern(model: str) -> re.Pattern[str]:
+    """The name of checkpoint entries of ``model``: ``MODEL_chkNNNNN`` + optional ``.h5``."""
+    return re.compile(re.escape(model) + r"_chk(\d{5})(\.h5)?")
+
+
+def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
+    """List ``model``'s checkpoints in ``out_dir``, in the order they are consolidated.
+
+    Returns an empty list when there are none; the caller decides whether that
+    is an error. A checkpoint directory with no ``.h5`` file in it is kept (with
+    no files) so that validation can name it.
+    """
+    directory = check_out_dir(out_dir)
+    check_model_name(model)
+    pattern = checkpoint_pattern(model)
+    files: dict[int, Path] = {}
+    dirs: dict[int, Path] = {}
+    for entry in directory.iterdir():
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        number = int(match.group(1))
+        if match.group(2):
+            if entry.is_file():
+                files[number] = entry
+        elif entry.is_dir():
+            dirs[number] = entry
+    found = []
+    for number in sorted(files.keys() | dirs.keys()):
+        if number in files:
+            found.append(Checkpoint(number, files[number], (files[number],)))
+        else:
+            folder = dirs[number]
+            members = sorted(
+                (p for p in folder.iterdir() if p.suffix == ".h5" and p.is_file()),
+                key=lambda p: p.name,
+            )
+            found.append(Checkpoint(number, folder, tuple(members)))
+    return found

@@ -1,0 +1,69 @@
+"""Names of a consolidation job's files in the run's output directory.
+
+Temporaries start with ``.chkq-`` so that they can never match the
+checkpoint pattern ``MODEL_chkNNNNN`` nor ``MODEL.h5``, and carry the job id
+so that two jobs never share one and cleanup removes only its own job's.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from chkq.discovery import check_model_name
+
+_JOB_ID = re.compile(r"[0-9a-f]{8,32}")
+
+
+def check_job_id(job_id: str) -> str:
+    """Return ``job_id`` if it is a plain hex id (it becomes part of file names)."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise ValueError(f"invalid job id {job_id!r}: expected 8 to 32 lowercase hex digits")
+    return job_id
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    """Where one consolidation job keeps its output and temporaries."""
+
+    out_dir: Path
+    model: str
+    job_id: str
+
+    def __post_init__(self) -> None:
+        check_model_name(self.model)
+        check_job_id(self.job_id)
+
+    @property
+    def prefix(self) -> str:
+        return f".chkq-{self.job_id}.{self.model}"
+
+    @property
+    def output(self) -> Path:
+        """The result, ``OUT_DIR/MODEL.h5``."""
+        return self.out_dir / f"{self.model}.h5"
+
+    @property
+    def temp(self) -> Path:
+        """The output while it is written and verified."""
+        return self.out_dir / f"{self.prefix}.h5.tmp"
+
+    @property
+    def plan(self) -> Path:
+        """The job's plan (JSON), read by every task of the job."""
+        return self.out_dir / f"{self.prefix}.plan.json"
+
+    @property
+    def linked(self) -> Path:
+        """Marker that the output was linked by this job (holds its inode)."""
+        return self.out_dir / f"{self.prefix}.linked"
+
+    def part(self, unit: int) -> Path:
+        """Part file written by copy unit ``unit`` for a dataset HDF5 must encode."""
+        return self.out_dir / f"{self.prefix}.part{unit:05d}.h5"
+
+    def temporaries(self) -> list[Path]:
+        """Every file of this job that exists now, output excepted."""
+        start = self.prefix + "."
+        return sorted(p for p in self.out_dir.iterdir() if p.name.startswith(start))

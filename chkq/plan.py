@@ -1,0 +1,272 @@
+"""The plan of a consolidation job: files, row offsets, and units of work.
+
+The planner scans every checkpoint file once, checks the run, and decides
+where each file's rows go in the output and how the copy and verification
+are cut into tasks. The plan is written next to the output as JSON; tasks
+receive only the job's directory, model and id, plus a unit number.
+
+Cutting the work
+----------------
+Files are taken in order in batches of at most ``task_bytes`` of rows and
+``task_files`` files. A batch is one copy unit covering every dataset that
+chkq writes as raw bytes, so a task opens each file once whatever the
+number of datasets; a batch larger than ``task_bytes`` (a big file) is cut
+per dataset and then into row ranges, so a big dataset is copied in
+parallel. A dataset HDF5 must encode (compressed, checksummed, or of
+variable length) is copied by units of its own, each writing one
+chunk-aligned row range to a part file. Verification runs per file batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
+from chkq.naming import JobFiles
+from chkq.structure import FileScan, check_same_structure, scan_file
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class DatasetPlan:
+    """Where one extensible dataset's rows come from and go to.
+
+    Attributes
+    ----------
+    name
+        Path of the dataset in every file.
+    mode
+        ``"raw"``: the output is allocated by the planner and copy tasks
+        write its chunks' bytes at ``chunk_offsets`` (uncompressed data of a
+        fixed size); ``"chunks"``: copy tasks write chunk-aligned row ranges
+        to part files, whose encoded chunks the merge step moves into the
+        output unchanged (filtered data of a fixed size); ``"whole"``: one
+        copy task writes the whole dataset to a part file, which the merge
+        step copies into the output (variable-length data).
+    offsets
+        Output row where each file's rows start, plus the total at the end.
+    row_bytes
+        Bytes of one row in memory.
+    chunk
+        The output's chunk shape (the source's).
+    chunk_offsets
+        Raw mode: file offset of every chunk, in row-major chunk order.
+    fill
+        Raw mode: the fill value's bytes (hex) to pad partial chunks with.
+    """
+
+    name: str
+    mode: str
+    offsets: list[int]
+    row_bytes: int
+    chunk: list[int]
+    trailing: list[int]
+    chunk_offsets: list[int] = field(default_factory=list)
+    fill: str = ""
+
+    @property
+    def total(self) -> int:
+        return self.offsets[-1]
+
+    def rows_of(self, file_index: int) -> tuple[int, int]:
+        """Output rows [start, stop) that file ``file_index`` provides."""
+        return self.offsets[file_index], self.offsets[file_index + 1]
+
+
+@dataclass
+class CopyUnit:
+    """One copy task's work: output row ranges ``[dataset index, start, stop]``.
+
+    A unit with ``part`` set holds one piece of a ``chunks`` or ``whole``
+    dataset and writes it to the job's part file number ``part``.
+    """
+
+    pieces: list[list[int]]
+    part: int | None = None
+
+
+@dataclass
+class Plan:
+    """Everything the tasks of one consolidation job share.
+
+    ``checkpoints`` holds ``[number, path, is_directory]``; ``files`` holds
+    ``[path, size, mtime_ns, inode]`` of every file in consolidation order,
+    so that tasks can tell a file that changed since planning;
+    ``reference_file`` is the final checkpoint's first file, the source of
+    attributes and fixed datasets.
+    """
+
+    job_id: str
+    model: str
+    out_dir: str
+    cleanup: bool
+    block_bytes: int
+    checkpoints: list[list[Any]]
+    files: list[list[Any]]
+    reference_file: str
+    datasets: list[DatasetPlan]
+    copy_units: list[CopyUnit]
+    verify_units: list[list[int]]
+    version: int = PLAN_VERSION
+
+    @property
+    def job(self) -> JobFiles:
+        return JobFiles(Path(self.out_dir), self.model, self.job_id)
+
+    @property
+    def total_rows(self) -> int:
+        return sum(d.total for d in self.datasets)
+
+    def file_rows(self, file_index: int) -> int:
+        """Rows file ``file_index`` contributes, over all datasets."""
+        return sum(d.offsets[file_index + 1] - d.offsets[file_index] for d in self.datasets)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        raw = json.loads(text)
+        if raw.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {raw.get('version')!r} is not {PLAN_VERSION}")
+        raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
+        raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
+        return cls(**raw)
+
+    def save(self) -> None:
+        """Write the plan atomically (temporary file, fsync, rename)."""
+        path = self.job.plan
+        tmp = path.with_name(path.name + ".new")
+        with open(tmp, "w") as fh:
+            fh.write(self.to_json())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+
+def load_plan(out_dir: str | Path, model: str, job_id: str) -> Plan:
+    """Read the plan of job ``job_id``; FileNotFoundError if the job is gone."""
+    job = JobFiles(check_out_dir(out_dir), check_model_name(model), job_id)
+    try:
+        text = job.plan.read_text()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"consolidation job {job_id} of {model!r} has no plan in {str(job.out_dir)!r}: "
+            "it failed, was cancelled, or already finished"
+        ) from None
+    plan = Plan.from_json(text)
+    if plan.job_id != job_id or plan.model != model:
+        raise ValueError(f"plan file {str(job.plan)!r} belongs to another job")
+    return plan
+
+
+def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
+    """Find the run's checkpoints and scan every file, refusing a bad run.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the run has no checkpoints.
+    ValueError
+        If a file is incomplete, unreadable, not HDF5, or differs in
+        structure, or a checkpoint directory holds no ``.h5`` file.
+    """
+    checkpoints = find_checkpoints(out_dir, model)
+    if not checkpoints:
+        raise FileNotFoundError(
+            f"no checkpoints of model {model!r} in {str(out_dir)!r} "
+            f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)"
+        )
+    for checkpoint in checkpoints:
+        if not checkpoint.files:
+            raise ValueError(f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
+    scans = [scan_file(path) for checkpoint in checkpoints for path in checkpoint.files]
+    check_same_structure(scans)
+    return checkpoints, scans
+
+
+def offsets_of(name: str, scans: list[FileScan]) -> list[int]:
+    """Cumulative row offsets of dataset ``name`` over the files, total last."""
+    offsets = [0]
+    for scan in scans:
+        offsets.append(offsets[-1] + scan.rows[name])
+    return offsets
+
+
+def file_batches(sizes: list[int], max_bytes: int, max_files: int) -> list[list[int]]:
+    """Cut files (by byte size) into consecutive batches ``[first, stop)``."""
+    batches: list[list[int]] = []
+    start, acc = 0, 0
+    for index, size in enumerate(sizes):
+        if index > start and (acc + size > max_bytes or index - start >= max_files):
+            batches.append([start, index])
+            start, acc = index, 0
+        acc += size
+    if sizes:
+        batches.append([start, len(sizes)])
+    return batches
+
+
+def split_rows(start: int, stop: int, step: int, align: int) -> list[tuple[int, int]]:
+    """Cut rows [start, stop) into ranges of about ``step`` rows on ``align`` boundaries."""
+    step = max(align, (max(step, 1) // align) * align)
+    cuts = [start]
+    edge = (start // align + 1) * align if start % align else start + step
+    while edge < stop:
+        cuts.append(edge)
+        edge += step
+    cuts.append(stop)
+    return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
+
+
+def cut_copy_units(
+    datasets: list[DatasetPlan], n_files: int, task_bytes: int, task_files: int
+) -> list[CopyUnit]:
+    """Cut the copy into units as the module docstring says."""
+    units: list[CopyUnit] = []
+    raw = [i for i, d in enumerate(datasets) if d.mode == "raw"]
+    sizes = [
+        sum((datasets[i].offsets[f + 1] - datasets[i].offsets[f]) * datasets[i].row_bytes
+            for i in raw)
+        for f in range(n_files)
+    ]
+    for first, stop in file_batches(sizes, task_bytes, task_files):
+        batch_bytes = sum(sizes[first:stop])
+        if batch_bytes <= task_bytes:
+            pieces = [[i, datasets[i].offsets[first], datasets[i].offsets[stop]] for i in raw]
+            pieces = [p for p in pieces if p[2] > p[1]]
+            if pieces:
+                units.append(CopyUnit(pieces))
+            continue
+        small: list[list[int]] = []
+        small_bytes = 0
+        for i in raw:
+            d = datasets[i]
+            a, b = d.offsets[first], d.offsets[stop]
+            if (b - a) * d.row_bytes <= task_bytes // 4:
+                if b > a:
+                    small.append([i, a, b])
+                    small_bytes += (b - a) * d.row_bytes
+                continue
+            for lo, hi in split_rows(a, b, task_bytes // max(d.row_bytes, 1), d.chunk[0]):
+                units.append(CopyUnit([[i, lo, hi]]))
+        if small:
+            units.append(CopyUnit(small))
+    for i, d in enumerate(datasets):
+        if d.mode == "raw":
+            continue
+        step = task_bytes // max(d.row_bytes, 1) if d.mode == "chunks" else d.total
+        ranges = split_rows(0, d.total, step, d.chunk[0]) if d.total else [(0, 0)]
+        for lo, hi in ranges:
+            units.append(CopyUnit([[i, lo, hi]], part=len(units)))
+    return units
+
+
+def cut_verify_units(plan_sizes: list[int], task_bytes: int, task_files: int) -> list[list[int]]:
+    """Verification units: batches of files ``[first, stop)``."""
+    return file_batches(plan_sizes, task_bytes, task_files)

@@ -1,0 +1,164 @@
+"""Reading a checkpoint file's skeleton and checking that a run's files agree.
+
+Every file of a run has the same skeleton (SPEC 1): the same groups and
+datasets, and each extensible dataset with the same HDF5 type and trailing
+shape. Fixed datasets may differ in type or shape (only the final one is
+kept). A file is complete only when its root has ``trials_completed``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+from h5py import h5t
+
+COMPLETE_ATTR = "trials_completed"
+MAX_LISTED_DIFFERENCES = 5
+
+
+def type_signature(tid: h5py.h5t.TypeID) -> str:
+    """A string that is equal for two HDF5 types exactly when they store data alike.
+
+    The numpy dtype alone misses string padding and character set, which
+    chkq must keep (slug's NULLTERM ``S128`` column), so they are added.
+    """
+    parts = [str(tid.dtype.descr if tid.dtype.fields else tid.dtype.str), str(tid.get_size())]
+    if isinstance(tid, h5t.TypeStringID):
+        parts += [
+            f"vlen={tid.is_variable_str()}",
+            f"pad={tid.get_strpad()}",
+            f"cset={tid.get_cset()}",
+        ]
+    vlen = h5py.check_vlen_dtype(tid.dtype)
+    if vlen is not None:
+        parts.append(f"vlen-of={vlen}")
+    return "|".join(parts)
+
+
+def is_extensible(dataset: h5py.Dataset) -> bool:
+    """A dataset is extensible when any of its dimensions is unlimited."""
+    return dataset.maxshape is not None and any(m is None for m in dataset.maxshape)
+
+
+@dataclass
+class FileScan:
+    """What validation and planning need to know of one checkpoint file.
+
+    Attributes
+    ----------
+    path
+        The file.
+    objects
+        Every group and dataset by path (no leading ``/``), mapped to
+        ``"group"``, ``"fixed"`` or ``"extensible <type> <trailing shape>"``.
+    rows
+        Row count of every extensible dataset.
+    """
+
+    path: Path
+    objects: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def extensible(self) -> list[str]:
+        """Names of the extensible datasets, in the file's own order."""
+        return list(self.rows)
+
+
+def open_checkpoint(path: Path) -> h5py.File:
+    """Open a checkpoint file read-only, turning "not HDF5" into a ValueError naming it."""
+    try:
+        return h5py.File(path, "r")
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or unreadable "
+                         f"({exc})") from None
+
+
+def scan_file(path: Path) -> FileScan:
+    """Open ``path`` once and record its skeleton and row counts.
+
+    Raises
+    ------
+    ValueError
+        If the file is not HDF5, unreadable, or incomplete (no
+        ``trials_completed`` root attribute).
+    """
+    scan = FileScan(path)
+    with open_checkpoint(path) as f:
+        if COMPLETE_ATTR not in f.attrs:
+            raise ValueError(
+                f"checkpoint file {str(path)!r} is incomplete: its root has no "
+                f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
+            )
+
+        def visit(name: str, obj: object) -> None:
+            if isinstance(obj, h5py.Group):
+                scan.objects[name] = "group"
+            elif isinstance(obj, h5py.Dataset):
+                if is_extensible(obj):
+                    trailing = tuple(obj.shape[1:])
+                    signature = type_signature(obj.id.get_type())
+                    scan.objects[name] = f"extensible {signature} {trailing}"
+                    scan.rows[name] = int(obj.shape[0])
+                else:
+                    scan.objects[name] = "fixed"
+
+        try:
+            f.visititems(visit)
+        except (OSError, RuntimeError, KeyError) as exc:
+            raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
+    return scan
+
+
+def describe(kind: str) -> str:
+    """Human wording of an ``objects`` entry."""
+    if kind.startswith("extensible "):
+        return "extensible dataset"
+    return "group" if kind == "group" else "fixed dataset"
+
+
+def differences(reference: FileScan, other: FileScan) -> list[str]:
+    """How ``other``'s skeleton differs from ``reference``'s, in readable phrases."""
+    found = []
+    for name, kind in reference.objects.items():
+        if name not in other.objects:
+            found.append(f"missing {describe(kind)} {name!r}")
+            continue
+        theirs = other.objects[name]
+        if kind == theirs or (kind == "fixed" and theirs == "fixed"):
+            continue
+        if kind.startswith("extensible ") and theirs.startswith("extensible "):
+            found.append(
+                f"extensible dataset {name!r} has type/trailing shape "
+                f"{theirs.removeprefix('extensible ')!r}, expected "
+                f"{kind.removeprefix('extensible ')!r}"
+            )
+        else:
+            found.append(f"{name!r} is a {describe(theirs)}, expected a {describe(kind)}")
+    for name, kind in other.objects.items():
+        if name not in reference.objects:
+            found.append(f"unexpected {describe(kind)} {name!r}")
+    return found
+
+
+def check_same_structure(scans: list[FileScan]) -> None:
+    """Raise ValueError naming the first file whose skeleton differs from the first file's."""
+    reference = scans[0]
+    for scan in scans[1:]:
+        found = differences(reference, scan)
+        if found:
+            shown = "; ".join(found[:MAX_LISTED_DIFFERENCES])
+            more = len(found) - MAX_LISTED_DIFFERENCES
+            tail = f" (and {more} more)" if more > 0 else ""
+            raise ValueError(
+                f"checkpoint file {str(scan.path)!r} differs in structure from "
+                f"{str(reference.path)!r}: {shown}{tail}"
+            )
+
+
+def row_bytes(dataset: h5py.Dataset) -> int:
+    """Bytes one row of ``dataset`` takes in memory."""
+    return int(dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64)))

@@ -1,0 +1,55 @@
+"""Queue routing: which queue each kind of chkq task goes to.
+
+Operators give I/O-heavy copies their own workers by starting them with
+``chkq worker -Q copy``; a worker started without ``-Q`` serves every queue.
+"""
+
+from __future__ import annotations
+
+from kombu import Queue
+
+CONTROL_QUEUE = "chkq.control"
+COPY_QUEUE = "chkq.copy"
+VERIFY_QUEUE = "chkq.verify"
+COMMIT_QUEUE = "chkq.commit"
+
+QUEUES: tuple[str, ...] = (CONTROL_QUEUE, COPY_QUEUE, VERIFY_QUEUE, COMMIT_QUEUE)
+
+#: Short names accepted by ``chkq worker -Q`` (``copy`` means ``chkq.copy``).
+SHORT_NAMES: dict[str, str] = {name.removeprefix("chkq."): name for name in QUEUES}
+
+TASK_ROUTES: dict[str, dict[str, str]] = {
+    "chkq.plan": {"queue": CONTROL_QUEUE},
+    "chkq.merge": {"queue": CONTROL_QUEUE},
+    "chkq.link": {"queue": CONTROL_QUEUE},
+    "chkq.fail": {"queue": CONTROL_QUEUE},
+    "chkq.copy": {"queue": COPY_QUEUE},
+    "chkq.verify": {"queue": VERIFY_QUEUE},
+    "chkq.commit": {"queue": COMMIT_QUEUE},
+}
+
+
+def task_queues() -> list[Queue]:
+    """The kombu queues chkq declares, one per kind of work."""
+    return [Queue(name, routing_key=name) for name in QUEUES]
+
+
+def resolve_queues(spec: str | None) -> list[str]:
+    """Turn a ``-Q`` argument (``copy,verify`` or full names) into queue names.
+
+    Raises
+    ------
+    ValueError
+        If a name is not one of chkq's queues.
+    """
+    if not spec:
+        return list(QUEUES)
+    names = []
+    for part in spec.split(","):
+        part = part.strip()
+        name = SHORT_NAMES.get(part, part)
+        if name not in QUEUES:
+            known = ", ".join(sorted(SHORT_NAMES))
+            raise ValueError(f"unknown queue {part!r}: chkq's queues are {known}")
+        names.append(name)
+    return names

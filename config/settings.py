@@ -1,0 +1,105 @@
+"""Typed settings read from the environment.
+
+Every knob chkq has lives here, read once from ``CHKQ_*`` variables, so that
+tasks and the command line share one source of truth and tasks never reach
+up into the command line for their configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MiB = 1024 * 1024
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class Settings:
+    """chkq's configuration.
+
+    Attributes
+    ----------
+    broker_url
+        Redis URL of the broker (``CHKQ_BROKER_URL``); None selects the
+        embedded local cluster.
+    result_backend
+        Redis URL of the result backend (``CHKQ_RESULT_BACKEND``), defaulting
+        to the broker.
+    block_bytes
+        Bytes of rows a task holds in memory at once (``CHKQ_BLOCK_BYTES``,
+        default 64 MiB).
+    task_bytes
+        Bytes of rows one copy or verify task handles before the planner
+        splits the work into another task (``CHKQ_TASK_BYTES``).
+    task_files
+        Files one copy or verify task opens at most (``CHKQ_TASK_FILES``):
+        small checkpoint files are batched up to this many.
+    soft_time_limit, time_limit
+        Per-task time limits in seconds (``CHKQ_SOFT_TIME_LIMIT``,
+        ``CHKQ_TIME_LIMIT``).
+    visibility_timeout
+        Redis visibility timeout in seconds (``CHKQ_VISIBILITY_TIMEOUT``):
+        an unacknowledged message is delivered again after this long, so it
+        must exceed ``time_limit``.
+    result_expires
+        Seconds results are kept in the backend (``CHKQ_RESULT_EXPIRES``).
+    max_redeliveries
+        Deliveries of one task message after which it is failed instead of
+        run again (``CHKQ_MAX_REDELIVERIES``): a task that keeps killing its
+        worker must not loop forever.
+    """
+
+    broker_url: str | None = None
+    result_backend: str | None = None
+    block_bytes: int = 64 * MiB
+    task_bytes: int = 64 * MiB
+    task_files: int = 64
+    soft_time_limit: int = 3300
+    time_limit: int = 3600
+    visibility_timeout: int = 4200
+    result_expires: int = 7 * 24 * 3600
+    max_redeliveries: int = 3
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read settings from ``CHKQ_*`` environment variables."""
+        broker = os.environ.get("CHKQ_BROKER_URL") or None
+        settings = cls(
+            broker_url=broker,
+            result_backend=os.environ.get("CHKQ_RESULT_BACKEND") or broker,
+            block_bytes=_int("CHKQ_BLOCK_BYTES", cls.block_bytes),
+            task_bytes=_int("CHKQ_TASK_BYTES", cls.task_bytes),
+            task_files=_int("CHKQ_TASK_FILES", cls.task_files),
+            soft_time_limit=_int("CHKQ_SOFT_TIME_LIMIT", cls.soft_time_limit),
+            time_limit=_int("CHKQ_TIME_LIMIT", cls.time_limit),
+            visibility_timeout=_int("CHKQ_VISIBILITY_TIMEOUT", cls.visibility_timeout),
+            result_expires=_int("CHKQ_RESULT_EXPIRES", cls.result_expires),
+            max_redeliveries=_int("CHKQ_MAX_REDELIVERIES", cls.max_redeliveries),
+        )
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        """Refuse settings that would make tasks run twice at once or loop."""
+        if self.block_bytes < 1:
+            raise ValueError("CHKQ_BLOCK_BYTES must be positive")
+        if self.task_bytes < 1 or self.task_files < 1:
+            raise ValueError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
+        if not 0 < self.soft_time_limit <= self.time_limit:
+            raise ValueError("CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
+        if self.visibility_timeout <= self.time_limit:
+            raise ValueError(
+                "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
+                "running would be delivered again and run twice at once"
+            )
