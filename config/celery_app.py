@@ -15,7 +15,7 @@ from celery import Celery
 from config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
 from config.settings import Settings
 
-TASK_MODULES = ("tasks.consolidate", "tasks.commit")
+TASK_MODULES = ("tasks.consolidate",)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -70,6 +70,12 @@ def use_broker(celery: Celery, url: str) -> None:
     """Point ``celery`` (broker and backend) at ``url``, e.g. an embedded broker."""
     celery.conf.broker_url = url
     celery.conf.result_backend = url
+    celery._backend_cache = None
+    celery._local.__dict__.pop("backend", None)
+    if celery._pool is not None:
+        celery._pool.force_close_all()
+        celery._pool = None
+    celery.amqp._producer_pool = None
 
 
 settings = Settings.from_env()

@@ -1,0 +1,88 @@
+"""What every chkq task shares: a log line at start and end, progress, a redelivery cap.
+
+Progress goes two ways (NOTES.md): ``update_state(state="PROGRESS")`` for
+the result backend, which the CLI reads, and a ``task-progress`` event,
+which Flower shows. Both are throttled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery import Task
+
+from config.celery_app import settings
+
+log = logging.getLogger("chkq.tasks")
+
+PROGRESS = "PROGRESS"
+PROGRESS_INTERVAL = 0.5
+
+
+class PoisonMessageError(RuntimeError):
+    """A task message was delivered too many times: it keeps killing its worker."""
+
+
+class ChkqTask(Task):
+    """Base class of chkq tasks (see module docstring)."""
+
+    abstract = True
+    _last_report = 0.0
+
+    def check_deliveries(self) -> None:
+        """Fail a message that was delivered more often than the cap allows.
+
+        With late acks and reject-on-worker-lost, a task that kills its worker
+        process is delivered again at once; without a cap it would loop for ever.
+        The count lives in the result backend's Redis under the task's id.
+        """
+        client = getattr(self.backend, "client", None)
+        task_id = self.request.id
+        if client is None or task_id is None:
+            return
+        key = f"chkq-deliveries-{task_id}-{self.request.retries or 0}"
+        count = client.incr(key)
+        client.expire(key, settings.result_expires)
+        if count > settings.max_redeliveries:
+            raise PoisonMessageError(
+                f"task {self.name}[{task_id}] was delivered {count} times without "
+                f"finishing (its worker died each time); giving up"
+            )
+
+    def report(self, done: int, total: int, **info: Any) -> None:
+        """Publish progress, at most every PROGRESS_INTERVAL seconds (and at the end)."""
+        now = time.monotonic()
+        if done < total and now - self._last_report < PROGRESS_INTERVAL:
+            return
+        self._last_report = now
+        meta = {"done": done, "total": total, **info}
+        if self.request.id and not self.request.called_directly:
+            self.update_state(state=PROGRESS, meta=meta)
+            self.send_event("task-progress", **meta)
+
+
+class Timer:
+    """Logs one line when a task starts and one when it ends, with what it did."""
+
+    def __init__(self, task: str, job: str, **what: Any) -> None:
+        self.task, self.job, self.what = task, job, what
+        self.started = time.monotonic()
+
+    def _fields(self, extra: dict[str, Any]) -> str:
+        items = {"task": self.task, "job": self.job, **self.what, **extra}
+        return " ".join(f"{k}={v}" for k, v in items.items())
+
+    def __enter__(self) -> Timer:
+        log.info("start %s", self._fields({}))
+        self.result: dict[str, Any] = {}
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        seconds = round(time.monotonic() - self.started, 3)
+        if exc is None:
+            log.info("end %s", self._fields({**self.result, "seconds": seconds}))
+        else:
+            log.error("fail %s", self._fields({"error": repr(exc), "seconds": seconds}))

@@ -1,0 +1,250 @@
+"""The consolidation canvas: plan -> copy group -> merge -> verify group -> link.
+
+::
+
+    chkq.plan ──► chord(chkq.copy × units) ──► chkq.merge
+              ──► chord(chkq.verify × file batches) ──► chkq.link (id = job id)
+
+Every task takes only ``out_dir``, ``model``, ``job`` and a unit number (plus
+names for people reading Flower), reads the job's plan from the output
+directory, and can run again without harm: copies rewrite the same bytes,
+verification re-reads, merge replaces what it merged, link recognises its
+own link. Task and group ids are derived from the job id, so a step
+delivered twice launches the same tasks, which the chord counts once.
+
+The job's result lives under the job id, the id of ``chkq.link``: success
+is the output path; any failure, anywhere, runs ``chkq.fail``, which
+removes the job's temporaries (never a checkpoint) and stores the root
+cause under the job id.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from celery import chord, group, signature
+from celery.exceptions import ChordError
+from celery.result import AsyncResult
+
+from chkq.copy_rows import copy_unit
+from chkq.discovery import check_model_name, check_out_dir
+from chkq.finalize import discard_job_files, link_output, remove_checkpoints
+from chkq.merge import merge_parts
+from chkq.naming import JobFiles, check_job_id
+from chkq.plan import Plan, load_plan
+from chkq.planner import prepare
+from chkq.verify_rows import verify_files
+from config.celery_app import app, settings
+from tasks.base import ChkqTask, Timer
+from tasks.jobs import finished_result, record_finished
+
+log = logging.getLogger("chkq.tasks")
+
+_DEPENDENCY = re.compile(r"Dependency (\S+) raised")
+
+
+def task_id(job: str, step: str, unit: int | None = None) -> str:
+    """The id of one step of a job: ``JOB-plan``, ``JOB-copy-3``... (link: ``JOB``)."""
+    return job if step == "link" else f"{job}-{step}" + ("" if unit is None else f"-{unit}")
+
+
+def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
+    """Validate a message's arguments before any file is touched."""
+    return check_out_dir(out_dir), check_model_name(model), check_job_id(job)
+
+
+def _fail_signature(out_dir: str, model: str, job: str) -> Any:
+    return fail.s(out_dir, model, job)
+
+
+def describe_unit(plan: Plan, index: int) -> dict[str, Any]:
+    """What a copy unit works on, for task arguments people read in Flower."""
+    unit = plan.copy_units[index]
+    names = [plan.datasets[d].name for d, _, _ in unit.pieces]
+    rows = sum(b - a for _, a, b in unit.pieces)
+    return {"datasets": names[:8] + (["..."] if len(names) > 8 else []), "rows": rows}
+
+
+def describe_files(plan: Plan, first: int, stop: int) -> list[str]:
+    """The checkpoint files of a verify unit, named relative to the run directory."""
+    names = [str(Path(plan.files[i][0]).relative_to(plan.out_dir)) for i in range(first, stop)]
+    return names if len(names) <= 4 else [names[0], "...", names[-1]]
+
+
+def launch_copies(plan: Plan) -> None:
+    """Send the copy group, with merge as its chord callback."""
+    job, out_dir, model = plan.job_id, plan.out_dir, plan.model
+    merge_sig = merge.si(out_dir, model, job).set(
+        task_id=task_id(job, "merge"), link_error=[_fail_signature(out_dir, model, job)]
+    )
+    copies = [
+        copy.si(out_dir, model, job, i, **describe_unit(plan, i)).set(
+            task_id=task_id(job, "copy", i)
+        )
+        for i in range(len(plan.copy_units))
+    ]
+    if not copies:
+        merge_sig.apply_async()
+        return
+    chord(group(copies).set(task_id=task_id(job, "copies")), merge_sig).apply_async()
+
+
+def launch_verification(plan: Plan) -> None:
+    """Send the verify group, with link as its chord callback."""
+    job, out_dir, model = plan.job_id, plan.out_dir, plan.model
+    link_sig = link.si(out_dir, model, job).set(
+        task_id=task_id(job, "link"), link_error=[_fail_signature(out_dir, model, job)]
+    )
+    verifies = [
+        verify.si(out_dir, model, job, i, files=describe_files(plan, first, stop)).set(
+            task_id=task_id(job, "verify", i)
+        )
+        for i, (first, stop) in enumerate(plan.verify_units)
+    ]
+    chord(group(verifies).set(task_id=task_id(job, "verifies")), link_sig).apply_async()
+
+
+@app.task(name="chkq.plan", bind=True, base=ChkqTask)
+def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
+             cleanup: bool = False) -> dict[str, Any]:
+    """Check the run, write the skeleton and the plan, and launch the copies."""
+    directory, model, job = _checked(out_dir, model, job)
+    self.check_deliveries()
+    with Timer("chkq.plan", job, model=model, out_dir=directory) as timer:
+        plan = prepare(
+            directory, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
+            task_bytes=settings.task_bytes, task_files=settings.task_files,
+        )
+        summary = {
+            "model": model,
+            "out_dir": str(directory),
+            "files": len(plan.files),
+            "datasets": len(plan.datasets),
+            "rows": plan.total_rows,
+            "copy_units": len(plan.copy_units),
+            "verify_units": len(plan.verify_units),
+        }
+        timer.result = {"files": len(plan.files), "rows": plan.total_rows}
+        launch_copies(plan)
+    return summary
+
+
+@app.task(name="chkq.copy", bind=True, base=ChkqTask)
+def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
+         **what: Any) -> dict[str, Any]:
+    """Copy one unit of rows into the output (raw chunks or a part file)."""
+    directory, model, job = _checked(out_dir, model, job)
+    self.check_deliveries()
+    plan = load_plan(directory, model, job)
+    if not 0 <= unit < len(plan.copy_units):
+        raise ValueError(f"job {job} has no copy unit {unit}")
+    total = describe_unit(plan, unit)["rows"]
+    datasets = ",".join(what.get("datasets", []))
+    with Timer("chkq.copy", job, model=model, unit=unit, datasets=datasets) as timer:
+        stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job,
+                                                               kind="copy"))
+        timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
+    self.report(stats.rows, stats.rows, job=job, kind="copy")
+    return {"rows": stats.rows, "bytes": stats.bytes}
+
+
+@app.task(name="chkq.merge", bind=True, base=ChkqTask)
+def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
+    """Move part files into the output, make it durable, launch verification."""
+    directory, model, job = _checked(out_dir, model, job)
+    self.check_deliveries()
+    plan = load_plan(directory, model, job)
+    with Timer("chkq.merge", job, model=model) as timer:
+        moved = merge_parts(plan)
+        for path in plan.job.temporaries():
+            if ".part" in path.name:
+                path.unlink(missing_ok=True)
+        timer.result = {"bytes": moved}
+        launch_verification(plan)
+    return {"bytes": moved}
+
+
+@app.task(name="chkq.verify", bind=True, base=ChkqTask)
+def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
+           **what: Any) -> dict[str, Any]:
+    """Read back the output rows of a batch of files and compare them with the files."""
+    directory, model, job = _checked(out_dir, model, job)
+    self.check_deliveries()
+    plan = load_plan(directory, model, job)
+    if not 0 <= unit < len(plan.verify_units):
+        raise ValueError(f"job {job} has no verify unit {unit}")
+    first, stop = plan.verify_units[unit]
+    total = sum(plan.file_rows(i) for i in range(first, stop))
+    names = ",".join(what.get("files", []))
+    with Timer("chkq.verify", job, model=model, unit=unit, files=names) as timer:
+        stats = verify_files(plan, first, stop,
+                             lambda done: self.report(done, total, job=job, kind="verify"))
+        timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
+    self.report(stats.rows, stats.rows, job=job, kind="verify")
+    return {"rows": stats.rows, "bytes": stats.bytes}
+
+
+@app.task(name="chkq.link", bind=True, base=ChkqTask)
+def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
+    """Link the verified output into place (create-if-absent) and clean up."""
+    directory, model, job = _checked(out_dir, model, job)
+    self.check_deliveries()
+    done = finished_result(job)
+    if done is not None:
+        return done
+    files = JobFiles(directory, model, job)
+    plan = load_plan(directory, model, job)
+    with Timer("chkq.link", job, model=model) as timer:
+        output = link_output(plan)
+        warnings = remove_checkpoints(plan) if plan.cleanup else []
+        result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
+                  "warnings": warnings}
+        record_finished(job, result)
+        files.plan.unlink(missing_ok=True)
+        discard_job_files(files)
+        timer.result = {"output": output, "rows": plan.total_rows}
+    return result
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception a header task raised, when ``exc`` is the ChordError wrapping it."""
+    seen = 0
+    while isinstance(exc, ChordError) and seen < 4:
+        match = _DEPENDENCY.search(str(exc))
+        if not match:
+            break
+        inner = AsyncResult(match.group(1), app=app).result
+        if not isinstance(inner, BaseException):
+            break
+        exc, seen = inner, seen + 1
+    return exc
+
+
+@app.task(name="chkq.fail")
+def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: str,
+         job: str) -> None:
+    """Errback of every step: remove the job's temporaries, record the root cause.
+
+    Checkpoints are never touched. The job's result (its id) is set to the
+    failure unless the job already succeeded (a late, redelivered step).
+    """
+    directory, model, job = _checked(out_dir, model, job)
+    cause = root_cause(exc)
+    files = JobFiles(directory, model, job)
+    if files.linked.exists() or finished_result(job) is not None:
+        log.warning("job=%s failure after link ignored: %r", job, cause)
+        return
+    removed = discard_job_files(files)
+    log.error("fail task=chkq.job job=%s model=%s error=%r removed=%d", job, model, cause,
+              len(removed))
+    app.backend.mark_as_failure(job, cause)
+
+
+def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
+    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
+    return signature(
+        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=app
+    ).set(task_id=task_id(job, "plan"), link_error=[_fail_signature(out_dir, model, job)])

@@ -1,0 +1,77 @@
+"""The embedded local cluster: a private broker and local worker processes.
+
+With no ``CHKQ_BROKER_URL``, ``chkq consolidate`` (and ``chkq log commit``)
+run inside one of these: the same canvas and the same worker code as a real
+cluster, against a broker started for the length of the command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from config.celery_app import app, use_broker
+from config.routing import QUEUES
+from workers.broker import PrivateRedis
+
+
+def worker_command(concurrency: int, queues: list[str], name: str,
+                   loglevel: str = "INFO") -> list[str]:
+    """The command line of a chkq worker process."""
+    return [
+        sys.executable, "-m", "celery", "-A", "config.celery_app:app", "worker",
+        "-c", str(concurrency), "-Q", ",".join(queues), "-n", name,
+        "--loglevel", loglevel, "-P", "prefork",
+        "--without-gossip", "--without-mingle",
+    ]
+
+
+class EmbeddedCluster:
+    """A private Redis and one worker with ``workers`` processes, for a ``with`` block."""
+
+    def __init__(self, workers: int | None = None) -> None:
+        self.workers = max(1, workers or os.cpu_count() or 1)
+        self.broker = PrivateRedis()
+        self._logdir = tempfile.TemporaryDirectory(prefix="chkq-embedded-")
+        self.log_path = Path(self._logdir.name) / "worker.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> EmbeddedCluster:
+        self.broker.start()
+        use_broker(app, self.broker.url)
+        env = {**os.environ, "CHKQ_BROKER_URL": self.broker.url,
+               "CHKQ_RESULT_BACKEND": self.broker.url}
+        name = f"embedded-{uuid.uuid4().hex[:8]}@%h"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                worker_command(self.workers, list(QUEUES), name), env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        return self
+
+    def check_alive(self) -> None:
+        """Raise RuntimeError, with the worker's last log lines, if the worker died."""
+        if self.process is not None and self.process.poll() is not None:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-10:]
+            raise RuntimeError(
+                f"the embedded worker exited with status {self.process.returncode}: "
+                + " | ".join(tail)
+            )
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.broker.close()
+        self._logdir.cleanup()
+        time.sleep(0)
