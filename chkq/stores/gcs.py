@@ -47,7 +47,7 @@ class _VanishedAfterConflict(Exception):
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, _TRANSIENT_TYPES | _VanishedAfterConflict):
+    if isinstance(exc, (*_TRANSIENT_TYPES, _VanishedAfterConflict)):
         return True
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
