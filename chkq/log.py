@@ -429,7 +429,11 @@ class CheckpointLog:
             chain.append(base_record)
         if data is None:
             top = chain.pop()
-            data = self._verified(top, codec.decompress_full(self._payload(top)))
+            try:
+                whole = codec.decompress_full(self._payload(top))
+            except codec.DeltaError as exc:
+                raise self._corruption(top.id, top.payload, str(exc)) from exc
+            data = self._verified(top, whole)
         for item in reversed(chain):
             data = self._verified(item, self._decode_delta(item, data))
         return data

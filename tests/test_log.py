@@ -1,0 +1,352 @@
+"""Tests of the checkpoint log, on real stores."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chkq import CheckpointCorruptionError
+from chkq.delta import compress_full
+from chkq.log import CheckpointLog
+from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
+
+MiB = 1 << 20
+LOCAL = pytest.mark.parametrize("store", ["file", "memory"], indirect=True)
+
+
+def blob(size: int, seed: int) -> bytes:
+    """Deterministic incompressible bytes."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def mutate(data: bytes, fraction: float, seed: int, run: int = 32) -> bytes:
+    """``data`` with ``fraction`` of its bytes rewritten in scattered ``run``-byte runs."""
+    rng = np.random.default_rng(seed)
+    array = np.frombuffer(data, dtype=np.uint8).copy()
+    starts = rng.integers(0, len(data) - run, max(1, int(len(data) * fraction) // run))
+    index = (starts[:, None] + np.arange(run)).ravel()
+    array[index] ^= rng.integers(1, 256, index.size, dtype=np.uint8)
+    return array.tobytes()
+
+
+def cold(log: CheckpointLog) -> CheckpointLog:
+    """A new handle on the same log, with nothing cached (another process's view)."""
+    return CheckpointLog(log.store, log.run_id, max_chain=log.max_chain)
+
+
+def test_commit_round_trip_and_record(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run-1")
+    data = blob(100_000, 1)
+    checkpoint = log.commit(data, step=3, label="first", meta={"t": 1.5})
+    assert checkpoint == hashlib.sha256(data).hexdigest()
+    assert cold(log).load(checkpoint) == data
+    record = cold(log).record(checkpoint)
+    assert (record.kind, record.parent, record.base, record.depth) == ("full", None, None, 0)
+    assert (record.step, record.label, record.meta) == (3, "first", {"t": 1.5})
+    assert record.full_size == len(data)
+    assert record.stored_size == len(store.get(record.payload))
+    assert store.exists(log.record_key(checkpoint))
+    assert checkpoint in log and "0" * 64 not in log
+    with pytest.raises(KeyError):
+        cold(log).load("0" * 64)
+
+
+def test_deltas_are_small(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    first = blob(4 * MiB, 2)
+    second = mutate(first, 0.01, 3)
+    a = log.commit(first)
+    b = log.commit(second, a)
+    record = log.record(b)
+    assert (record.kind, record.base, record.depth, record.parent) == ("delta", a, 1, a)
+    assert record.stored_size <= 0.02 * len(second)
+    assert cold(log).load(b) == second
+    fresh = cold(log)
+    fresh.store.delete(log.head_copy_key(b))
+    assert fresh.load(b) == second
+
+
+def test_same_bytes_twice_change_nothing(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    a = log.commit(blob(50_000, 4))
+    b = log.commit(mutate(blob(50_000, 4), 0.01, 5), a, label="b")
+    before = {key: store.get(key) for key in store.list()}
+    assert log.commit(mutate(blob(50_000, 4), 0.01, 5), a, label="b") == b
+    assert cold(log).commit(mutate(blob(50_000, 4), 0.01, 5), None, label="other") == b
+    assert cold(log).commit(blob(50_000, 4), b) == a
+    assert {key: store.get(key) for key in store.list()} == before
+
+
+@LOCAL
+def test_max_chain_and_fallback_to_full(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run", max_chain=3)
+    data = blob(64 * 1024, 6)
+    parent = None
+    kinds = []
+    for i in range(7):
+        parent = log.commit(data, parent, step=i)
+        record = log.record(parent)
+        kinds.append((record.kind, record.depth))
+        data = mutate(data, 0.01, 100 + i)
+    assert kinds == [("full", 0), ("delta", 1), ("delta", 2), ("delta", 3),
+                     ("full", 0), ("delta", 1), ("delta", 2)]
+    unrelated = log.commit(blob(64 * 1024, 7), parent)
+    assert log.record(unrelated).kind == "full"
+    assert log.record(unrelated).parent == parent
+    fresh = cold(log)
+    for record in fresh.manifest():
+        assert hashlib.sha256(fresh.load(record.id)).hexdigest() == record.id
+
+
+@LOCAL
+def test_history_queries(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    base = blob(20_000, 8)
+    a = log.commit(base, step=0)
+    b = log.commit(mutate(base, 0.01, 1), a, step=1)
+    c = log.commit(mutate(base, 0.02, 2), b, step=2)
+    f = log.fork(b, mutate(base, 0.03, 3), label="what-if", edit="halved the timestep")
+    view = cold(log)
+    assert [r.id for r in view.manifest()] == [a, b, c, f]
+    assert [r.id for r in view] == [a, b, c, f]
+    assert len(view) == 4
+    assert [r.id for r in view.lineage(f)] == [a, b, f]
+    assert [r.id for r in view.lineage(a)] == [a]
+    assert [r.id for r in view.children(b)] == [c, f]
+    assert view.children(c) == []
+    assert {r.id for r in view.heads()} == {c, f}
+    forked = view.record(f)
+    assert forked.parent == b
+    assert forked.fork == {"source": b, "edit": "halved the timestep"}
+    assert forked.label == "what-if"
+    assert view.record(c).fork is None
+    with pytest.raises(ValueError, match="unknown parent"):
+        log.commit(b"x", "f" * 64)
+    with pytest.raises(KeyError):
+        view.lineage("f" * 64)
+
+
+@LOCAL
+def test_head_copies_follow_the_heads(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    data = blob(200_000, 9)
+    a = log.commit(data)
+    b = log.commit(mutate(data, 0.01, 1), a)
+    c = log.commit(mutate(data, 0.02, 2), b)
+    heads_dir = f"runs/{log.run_id}/heads/"
+    assert store.list(heads_dir) == [log.head_copy_key(c)]
+    f = log.fork(b, mutate(data, 0.03, 3))
+    assert store.list(heads_dir) == sorted([log.head_copy_key(c), log.head_copy_key(f)])
+    assert cold(log).load(c) == mutate(data, 0.02, 2)
+
+
+@pytest.mark.parametrize("run_id", ["", "a/b", "..", ".", "a\\b", "x\x00"])
+def test_run_id_validated(run_id: str) -> None:
+    with pytest.raises(ValueError, match="run id"):
+        CheckpointLog(MemoryStore(), run_id)
+
+
+def _corrupt(store: CheckpointStore, key: str) -> None:
+    raw = bytearray(store.get(key))
+    raw[len(raw) // 2] ^= 0xFF
+    if isinstance(store, LocalDirectoryStore):
+        path = store.root / key
+        path.write_bytes(bytes(raw))
+    else:
+        store.put(key, bytes(raw))
+
+
+@LOCAL
+def test_corruption_names_checkpoint_and_payload(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    data = blob(300_000, 10)
+    a = log.commit(data)
+    b = log.commit(mutate(data, 0.01, 1), a)
+    c = log.commit(mutate(data, 0.02, 2), b)
+    for victim, dependents in ((b, [b]), (a, [a, b])):
+        payload = log.record(victim).payload
+        _corrupt(store, payload)
+        for checkpoint in dependents:
+            with pytest.raises(CheckpointCorruptionError) as caught:
+                cold(log).load(checkpoint)
+            assert victim in str(caught.value)
+            assert payload in str(caught.value)
+    assert cold(log).load(c) == mutate(data, 0.02, 2), "the head copy still serves the head"
+    _corrupt(store, log.head_copy_key(c))
+    with pytest.warns(UserWarning, match="head copy"), pytest.raises(CheckpointCorruptionError):
+        cold(log).load(c)
+
+
+@LOCAL
+def test_missing_payload_is_corruption(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    a = log.commit(b"a" * 1000)
+    store.delete(log.record(a).payload)
+    with pytest.raises(CheckpointCorruptionError, match="payload missing"):
+        cold(log).load(a)
+
+
+class CountingStore(MemoryStore):
+    """A memory store that counts reads of payload and head-copy objects."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def _get(self, key: str) -> bytes:
+        if "/records/" not in key:
+            self.reads.append(key)
+        return super()._get(key)
+
+
+def test_cache_avoids_rereading_the_parent() -> None:
+    store = CountingStore()
+    log = CheckpointLog(store, "run")
+    data = blob(100_000, 11)
+    parent = None
+    for i in range(5):
+        parent = log.commit(data, parent)
+        data = mutate(data, 0.01, i)
+    assert store.reads == []
+    tiny = CheckpointLog(store, "run", cache_bytes=1)
+    assert tiny.load(parent) == log.load(parent)
+    assert store.reads == [log.head_copy_key(parent)]
+
+
+def _commit_sequence(url: str, size: int, count: int, barrier: object) -> list[str]:
+    log = CheckpointLog(open_store(url), "shared", max_chain=4)
+    barrier.wait()  # type: ignore[attr-defined]
+    data = blob(size, 12)
+    parent = None
+    ids = []
+    for i in range(count):
+        parent = log.commit(data, parent, step=i)
+        ids.append(parent)
+        data = mutate(data, 0.01, 1000 + i)
+    return ids
+
+
+def _assert_consistent(log: CheckpointLog) -> None:
+    """One record per checkpoint; every payload referenced; every load verifies."""
+    records = log.manifest()
+    payloads = log.store.list(f"runs/{log.run_id}/payloads/")
+    assert sorted(r.payload for r in records) == payloads
+    for record in records:
+        assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id
+
+
+def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
+    url = (tmp_path / "store").as_uri()
+    writers, count = 3, 8
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        barrier = manager.Barrier(writers)
+        with context.Pool(writers) as pool:
+            results = pool.starmap(
+                _commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
+            )
+    assert results[0] == results[1] == results[2]
+    log = CheckpointLog(open_store(url), "shared", max_chain=4)
+    assert sorted(log.ids()) == sorted(results[0])
+    assert [r.id for r in log.heads()] == [results[0][-1]]
+    assert [r.id for r in log.lineage(results[0][-1])] == results[0]
+    _assert_consistent(log)
+    heads_dir = "runs/shared/heads/"
+    assert set(log.store.list(heads_dir)) <= {log.head_copy_key(results[0][-1])}
+
+
+@LOCAL
+def test_gc_removes_only_old_unreferenced_payloads(store: CheckpointStore) -> None:
+    log = CheckpointLog(store, "run")
+    data = blob(50_000, 13)
+    a = log.commit(data)
+    b = log.commit(mutate(data, 0.01, 1), a)
+    orphan_data = mutate(data, 0.05, 2)
+    orphan_id = hashlib.sha256(orphan_data).hexdigest()
+    orphan = log.payload_key(orphan_id, "full", None)
+    store.put_if_absent(orphan, b"written by a writer killed before its record")
+    stale_copy = log.head_copy_key(a)
+    store.put_if_absent(stale_copy, b"left by a writer killed before deleting it")
+    referenced = sorted(r.payload for r in log.manifest())
+
+    assert log.gc(older_than=3600) == [stale_copy]
+    assert store.exists(orphan)
+    assert log.gc(older_than=0) == [orphan]
+    assert store.list(f"runs/{log.run_id}/payloads/") == referenced
+    assert store.exists(log.head_copy_key(b))
+    assert log.gc(older_than=0) == []
+    _assert_consistent(cold(log))
+    assert log.commit(orphan_data, b) == orphan_id
+    _assert_consistent(cold(log))
+
+
+class GcDuringCommitStore(MemoryStore):
+    """Runs a garbage collection between a writer's payload and record writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collector: CheckpointLog | None = None
+        self.collected: list[str] = []
+
+    def _put_if_absent(self, key: str, data: bytes) -> bool:
+        if self.collector is not None and "/records/" in key:
+            collector, self.collector = self.collector, None
+            self.collected += collector.gc(older_than=0)
+        return super()._put_if_absent(key, data)
+
+
+def test_commit_survives_gc_of_a_reused_orphan_payload() -> None:
+    store = GcDuringCommitStore()
+    log = CheckpointLog(store, "run")
+    data = blob(10_000, 14)
+    checkpoint = hashlib.sha256(data).hexdigest()
+    orphan = log.payload_key(checkpoint, "full", None)
+    log.store.put_if_absent(orphan, compress_full(data))
+    store.collector = CheckpointLog(store, "run")
+    assert log.commit(data) == checkpoint
+    assert store.collected == [orphan], "the orphan was collected mid-commit"
+    assert cold(log).load(checkpoint) == data
+
+
+def test_racing_writers_with_different_parents_leave_no_orphans() -> None:
+    store = MemoryStore()
+    log = CheckpointLog(store, "run")
+    data = blob(40_000, 15)
+    a = log.commit(data)
+    b = log.commit(mutate(data, 0.2, 1), a)
+    target = mutate(data, 0.01, 2)
+
+    class Interleaved(MemoryStore):
+        """The other writer commits ``target`` on ``b`` just before our record write."""
+
+        def _put_if_absent(self, key: str, payload: bytes) -> bool:
+            if "/records/" in key and not super()._exists(key):
+                CheckpointLog(store, "run").commit(target, b)
+            return super()._put_if_absent(key, payload)
+
+    racer = CheckpointLog(Interleaved(store.url.removeprefix("memory://")), "run")
+    assert racer.commit(target, a) == hashlib.sha256(target).hexdigest()
+    record = log.record(hashlib.sha256(target).hexdigest())
+    assert record.parent == b
+    _assert_consistent(cold(log))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_histories_load_exactly(seed: int) -> None:
+    rng = random.Random(seed)
+    log = CheckpointLog(MemoryStore(), "run", max_chain=2, cache_bytes=100_000)
+    known: dict[str, bytes] = {}
+    data = blob(30_000, seed)
+    known[log.commit(data)] = data
+    for i in range(12):
+        parent = rng.choice(sorted(known))
+        data = mutate(known[parent], rng.choice([0.001, 0.01, 0.5]), seed * 100 + i)
+        known[log.commit(data, parent)] = data
+    view = cold(log)
+    for checkpoint, expected in known.items():
+        assert view.load(checkpoint) == expected
