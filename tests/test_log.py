@@ -350,3 +350,19 @@ def test_random_histories_load_exactly(seed: int) -> None:
     view = cold(log)
     for checkpoint, expected in known.items():
         assert view.load(checkpoint) == expected
+
+
+def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) -> None:
+    """SPEC section 4 fault bar: nothing lost, no orphan payloads."""
+    url = (tmp_path / "store").as_uri()
+    writers, count = 8, 1000
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        barrier = manager.Barrier(writers)
+        with context.Pool(writers) as pool:
+            results = pool.starmap(_commit_sequence, [(url, 4096, count, barrier)] * writers)
+    assert all(result == results[0] for result in results)
+    log = CheckpointLog(open_store(url), "shared", max_chain=4)
+    assert sorted(log.ids()) == sorted(set(results[0]))
+    assert [r.id for r in log.heads()] == [results[0][-1]]
+    _assert_consistent(log)
