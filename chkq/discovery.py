@@ -89,7 +89,8 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
         else:
             folder = dirs[number]
             members = sorted(
-                (p for p in folder.iterdir() if p.suffix == ".h5" and p.is_file()),
+                (p for p in folder.iterdir()
+                 if p.suffix == ".h5" and not p.name.startswith(".") and p.is_file()),
                 key=lambda p: p.name,
             )
             found.append(Checkpoint(number, folder, tuple(members)))

@@ -1,0 +1,86 @@
+"""Independent checks of a consolidated output, written as a user would check it."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from chkq.structure import is_extensible, type_signature
+
+
+def snapshot(directory: Path) -> dict[str, str]:
+    """Every entry below ``directory`` (hidden ones too) with a digest of its content."""
+    found = {}
+    for path in sorted(directory.rglob("*")):
+        rel = str(path.relative_to(directory))
+        found[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+def attrs_of(obj: h5py.HLObject) -> dict[str, tuple[str, bytes]]:
+    """Attributes as (type signature, raw value bytes) so that types are compared too."""
+    found = {}
+    for name in obj.attrs:
+        attr = obj.attrs.get_id(name)
+        value = obj.attrs[name]
+        raw = repr(value).encode() if not isinstance(value, np.ndarray) else (
+            value.tobytes() if not value.dtype.hasobject else repr(value.tolist()).encode())
+        found[name] = (type_signature(attr.get_type()), raw)
+    return found
+
+
+def assert_consolidated(output: Path, files: list[Path]) -> None:
+    """``output`` holds the rows of ``files`` in order and the final first file's rest."""
+    reference = files[-1] if len(files) == 1 else None
+    assert output.exists(), f"{output} was not written"
+    with h5py.File(output, "r") as out:
+        last_checkpoint_first = _final_first(files)
+        with h5py.File(last_checkpoint_first, "r") as ref:
+            assert attrs_of(out) == attrs_of(ref)
+            names: list[str] = []
+            ref.visit(names.append)
+            out_names: list[str] = []
+            out.visit(out_names.append)
+            assert sorted(names) == sorted(out_names)
+            for name in names:
+                src, dst = ref[name], out[name]
+                assert attrs_of(dst) == attrs_of(src), name
+                if isinstance(src, h5py.Group):
+                    continue
+                assert type_signature(dst.id.get_type()) == type_signature(src.id.get_type())
+                if not is_extensible(src):
+                    assert dst.shape == src.shape
+                    assert _bytes(dst[()]) == _bytes(src[()]), name
+                    continue
+                for prop in ("chunks", "compression", "compression_opts", "shuffle",
+                             "fletcher32", "maxshape"):
+                    assert getattr(dst, prop) == getattr(src, prop), (name, prop)
+                assert _bytes(np.asarray(dst.fillvalue)) == _bytes(np.asarray(src.fillvalue))
+                parts = []
+                for path in files:
+                    with h5py.File(path, "r") as f:
+                        parts.append(f[name][()])
+                expected = np.concatenate(parts).astype(dst.dtype)
+                got = dst[()]
+                assert got.shape == expected.shape, name
+                assert _bytes(got) == _bytes(expected), name
+    del reference
+
+
+def _final_first(files: list[Path]) -> Path:
+    """The final checkpoint's first file among ``files`` (given in consolidation order)."""
+    last = files[-1]
+    if last.parent.name.count("_chk"):
+        siblings = [f for f in files if f.parent == last.parent]
+        return siblings[0]
+    return last
+
+
+def _bytes(value: object) -> bytes:
+    array = np.asarray(value)
+    if array.dtype.hasobject:
+        return repr(array.tolist()).encode()
+    return array.tobytes()

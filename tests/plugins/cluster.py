@@ -1,0 +1,111 @@
+"""Fixtures for tests of the canvas: a private redis-server and real worker processes.
+
+No eager mode anywhere (it cannot exercise chords): every job runs on
+``chkq worker`` processes started here, against a redis-server started for
+the session on a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from config.celery_app import app, use_broker
+from workers.broker import PrivateRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[PrivateRedis]:
+    """A redis-server of the test session's own (not the machine's 6379)."""
+    with PrivateRedis() as server:
+        assert server.kind == "redis-server", "the tests need redis-server on PATH"
+        os.environ["CHKQ_BROKER_URL"] = server.url
+        os.environ["CHKQ_RESULT_BACKEND"] = server.url
+        use_broker(app, server.url)
+        yield server
+
+
+class WorkerProcess:
+    """A ``chkq worker`` process serving some queues; stop it or kill it."""
+
+    def __init__(self, broker_url: str, queues: str, concurrency: int, log_dir: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = f"test-{uuid.uuid4().hex[:8]}@localhost"
+        self.log_path = log_dir / f"{self.name}.log"
+        environment = {**os.environ, "CHKQ_BROKER_URL": broker_url,
+                       "CHKQ_RESULT_BACKEND": broker_url, **(env or {})}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "workers.cli", "worker", "-Q", queues,
+                 "-c", str(concurrency), "-n", self.name, "--loglevel", "INFO"],
+                env=environment, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"worker exited: {self.log_path.read_text()[-2000:]}")
+            replies = app.control.ping(destination=[self.name], timeout=0.5)
+            if replies:
+                return
+        raise RuntimeError(f"worker {self.name} did not answer ping within {timeout} s")
+
+    def child_pids(self) -> list[int]:
+        """Pids of the worker's pool processes."""
+        import psutil
+
+        return [c.pid for c in psutil.Process(self.process.pid).children()]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool, as when a node dies."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def worker(redis_server: PrivateRedis, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[WorkerProcess]:
+    """One worker with two processes serving every queue, for the whole session."""
+    process = WorkerProcess(redis_server.url, "control,copy,verify,commit", 2,
+                            tmp_path_factory.mktemp("worker-logs"))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def start_worker(redis_server: PrivateRedis, tmp_path: Path) -> Iterator[object]:
+    """Factory of extra workers for one test (e.g. only some queues); all stopped after."""
+    started: list[WorkerProcess] = []
+
+    def start(queues: str, concurrency: int = 1, env: dict[str, str] | None = None
+              ) -> WorkerProcess:
+        process = WorkerProcess(redis_server.url, queues, concurrency, tmp_path, env)
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        process.stop()
