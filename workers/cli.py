@@ -7,12 +7,16 @@ failed job or bad input; 2 for a usage error (argparse's convention).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from chkq import __version__
+
+#: Modules that add subcommands: each has ``register(subparsers)``.
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
 class ProgressLine:
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--writers", type=int, default=2, help="files per checkpoint (0: one file)")
     p.add_argument("--trials", type=int, default=500, help="trials per file")
     p.set_defaults(func=cmd_demo)
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(sub)
     return parser
 
 
