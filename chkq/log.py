@@ -549,14 +549,15 @@ class CheckpointLog:
         else:
             kind, base, depth, payload = "full", None, 0, full_payload
         key = self.payload_key(checkpoint, kind, base)
-        created_payload = self.store.put_if_absent(key, payload)
         record = CheckpointRecord(
             id=checkpoint, parent=parent, kind=kind, base=base, depth=depth, payload=key,
             stored_size=len(payload), full_size=len(data), step=step, label=label,
             meta=dict(meta or {}), fork=fork, created=time.time(),
         )
+        record_json = record.to_json()
+        created_payload = self.store.put_if_absent(key, payload)
         recorded_parent = parent
-        if self.store.put_if_absent(self.record_key(checkpoint), record.to_json()):
+        if self.store.put_if_absent(self.record_key(checkpoint), record_json):
             if not created_payload and not self.store.exists(key):
                 log.warning("payload %s vanished (concurrent gc?): writing it again", key)
                 self.store.put_if_absent(key, payload)

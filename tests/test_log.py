@@ -366,3 +366,11 @@ def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) ->
     assert sorted(log.ids()) == sorted(set(results[0]))
     assert [r.id for r in log.heads()] == [results[0][-1]]
     _assert_consistent(log)
+
+
+def test_unserialisable_meta_writes_nothing() -> None:
+    store = MemoryStore()
+    log = CheckpointLog(store, "run")
+    with pytest.raises(TypeError):
+        log.commit(b"data", meta={"bad": object()})
+    assert store.list() == []
