@@ -15,7 +15,7 @@ from celery import Celery
 from config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
 from config.settings import Settings
 
-TASK_MODULES = ("tasks.consolidate",)
+TASK_MODULES = ("tasks.consolidate", "tasks.commit")
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from chkq import __version__
 
 #: Modules that add subcommands: each has ``register(subparsers)``.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("workers.log_cli", "workers.watch")
 
 
 class ProgressLine:

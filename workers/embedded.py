@@ -15,6 +15,9 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
+
+from celery.result import AsyncResult
 
 from config.celery_app import app, use_broker
 from config.routing import QUEUES
@@ -64,6 +67,16 @@ class EmbeddedCluster:
                 + " | ".join(tail)
             )
 
+    def wait(self, result: AsyncResult, timeout: float | None = None) -> Any:
+        """``result.get()``, but raising at once if the worker dies meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not result.ready():
+            self.check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"task {result.id} did not finish within {timeout} s")
+            time.sleep(0.05)
+        return result.get()
+
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -74,4 +87,3 @@ class EmbeddedCluster:
                 self.process.wait()
         self.broker.close()
         self._logdir.cleanup()
-        time.sleep(0)

@@ -1,0 +1,112 @@
+"""Watching a running simulation's output directory for complete checkpoint files.
+
+A file is ready when it is complete — its root has ``trials_completed``,
+which the simulation writes when it closes the file — and has not changed
+between two looks. Each writer's files form a chain (``thread_0001.h5`` of
+checkpoint 3 follows ``thread_0001.h5`` of checkpoint 2; single-file
+checkpoints follow each other); a chain is committed in order and stops at
+its first file that is not ready, so none is skipped. What the log already
+holds (by name) is not committed again, so a restarted watcher goes on
+where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+
+from chkq.discovery import check_out_dir, find_checkpoints
+from chkq.structure import COMPLETE_ATTR
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """One checkpoint file to commit, chained to its writer's previous file."""
+
+    path: Path
+    name: str
+    number: int
+    parent: str | None
+    checkpoint_id: str
+
+
+def is_complete(path: Path) -> bool:
+    """True when the HDF5 file at ``path`` has its ``trials_completed`` root attribute."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            return COMPLETE_ATTR in f.attrs
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return False
+
+
+def file_id(path: Path, block: int = 16 * 1024 * 1024) -> str:
+    """The checkpoint id (SHA-256) of the file at ``path``, read in bounded blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def chain_key(out_dir: Path, path: Path) -> str:
+    """Which writer's chain ``path`` belongs to: its name inside a checkpoint directory."""
+    return path.name if path.parent != out_dir else ""
+
+
+class Watcher:
+    """Finds checkpoint files ready to commit, in order, once each.
+
+    Parameters
+    ----------
+    out_dir, model
+        The run's output directory and model name.
+    committed
+        Names already in the log, mapped to their checkpoint ids.
+    enqueue
+        Called with each ready file, in chain order.
+    """
+
+    def __init__(self, out_dir: str | Path, model: str, committed: dict[str, str],
+                 enqueue: Callable[[CommitRequest], None]) -> None:
+        self.out_dir = check_out_dir(out_dir)
+        self.model = model
+        self.done: dict[str, str] = dict(committed)
+        self.enqueue = enqueue
+        self._seen: dict[Path, tuple[int, int]] = {}
+
+    def _stable(self, path: Path) -> bool:
+        st = os.stat(path)
+        now = (st.st_size, st.st_mtime_ns)
+        before = self._seen.get(path)
+        self._seen[path] = now
+        return before == now
+
+    def poll(self) -> list[CommitRequest]:
+        """Look once; enqueue and return the files that became ready."""
+        sent: list[CommitRequest] = []
+        tip: dict[str, str | None] = {}
+        blocked: set[str] = set()
+        for checkpoint in find_checkpoints(self.out_dir, self.model):
+            for path in checkpoint.files:
+                key = chain_key(self.out_dir, path)
+                name = str(path.relative_to(self.out_dir))
+                if name in self.done:
+                    tip[key] = self.done[name]
+                    continue
+                if key in blocked:
+                    continue
+                if not (is_complete(path) and self._stable(path)):
+                    blocked.add(key)
+                    continue
+                ident = file_id(path)
+                request = CommitRequest(path, name, checkpoint.number, tip.get(key), ident)
+                self.enqueue(request)
+                self.done[name] = ident
+                tip[key] = ident
+                sent.append(request)
+        return sent

@@ -1,0 +1,66 @@
+"""Enqueueing commits from Python: the API simulations written in Python call.
+
+``submit_commit`` sends a ``chkq.commit`` task naming the file (never its
+bytes) and returns its AsyncResult; ``commit_checkpoint`` waits for it,
+running an embedded cluster when no broker is configured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from celery.result import AsyncResult
+
+from chkq.log import CheckpointRecord, validate_run_id
+from chkq.stores import open_store
+from config.celery_app import app, settings
+
+
+def submit_commit(
+    store_url: str,
+    run: str,
+    path: str | Path,
+    *,
+    parent: str | None = None,
+    parent_head: bool = False,
+    step: int | None = None,
+    label: str | None = None,
+    name: str | None = None,
+    model: str | None = None,
+    expect_id: str | None = None,
+) -> AsyncResult:
+    """Enqueue the commit of the checkpoint file at ``path`` to ``run`` in ``store_url``.
+
+    The path must be readable by the workers (shared storage).
+    """
+    open_store(store_url)
+    validate_run_id(run)
+    source = Path(path).absolute()
+    if not source.is_file():
+        raise FileNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+    kwargs: dict[str, Any] = {
+        "parent": parent, "parent_head": parent_head, "step": step, "label": label,
+        "name": name, "model": model, "expect_id": expect_id,
+    }
+    return app.signature("chkq.commit", args=(store_url, run, str(source)),
+                         kwargs=kwargs).apply_async()
+
+
+def record_of(result: dict[str, Any]) -> CheckpointRecord:
+    """The CheckpointRecord a commit task returned (as JSON)."""
+    return CheckpointRecord(**result)
+
+
+def commit_checkpoint(
+    store_url: str, run: str, path: str | Path, *, workers: int | None = None,
+    timeout: float | None = None, **options: Any,
+) -> CheckpointRecord:
+    """Commit a checkpoint file through the cluster (or an embedded one) and wait."""
+    if settings.broker_url:
+        return record_of(submit_commit(store_url, run, path, **options).get(timeout=timeout))
+    from workers.embedded import EmbeddedCluster
+
+    with EmbeddedCluster(workers or 1) as cluster:
+        result = submit_commit(store_url, run, path, **options)
+        return record_of(cluster.wait(result, timeout))
