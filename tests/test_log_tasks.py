@@ -1,0 +1,186 @@
+"""Commit tasks and ``chkq log``: real workers, real stores (local directory and moto S3)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from chkq.log import CheckpointLog
+from chkq.stores import open_store
+from config.celery_app import app
+from config.routing import COMMIT_QUEUE
+from tests.plugins.cluster import WorkerProcess
+from workers.commits import record_of, submit_commit
+
+TIMEOUT = 120
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def checkpoint_series(directory: Path, count: int, size: int = 1 << 20, seed: int = 1
+                      ) -> list[Path]:
+    """``count`` checkpoint-like files, each a 1% scattered change of the one before."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    paths = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        if i:
+            where = rng.integers(0, size, size // 100)
+            data[where] = rng.integers(0, 256, len(where), dtype=np.uint8)
+        path = directory / f"state_{i:03d}.bin"
+        path.write_bytes(data.tobytes())
+        paths.append(path)
+    return paths
+
+
+def payload_keys(store_url: str, run: str) -> set[str]:
+    return set(open_store(store_url).list(f"runs/{run}/payloads/"))
+
+
+def referenced_payloads(log: CheckpointLog) -> set[str]:
+    return {r.payload for r in log.manifest()}
+
+
+def test_concurrent_committers_leave_one_record_each_and_no_orphans(
+    tmp_path: Path, worker: WorkerProcess, start_worker: object
+) -> None:
+    """Three clients enqueue the same chained sequence at once; four worker processes."""
+    start_worker("commit", concurrency=2)  # type: ignore[operator]
+    paths = checkpoint_series(tmp_path / "run", 6)
+    url = f"file://{tmp_path / 'store'}"
+    ids = [sha(p.read_bytes()) for p in paths]
+    results = []
+    for _client in range(3):
+        for i, path in enumerate(paths):
+            parent = ids[i - 1] if i else None
+            results.append(submit_commit(url, "r1", path, parent=parent, step=i,
+                                         name=path.name))
+    records = [record_of(r.get(timeout=TIMEOUT)) for r in results]
+    assert {r.id for r in records} == set(ids)
+    log = CheckpointLog(open_store(url), "r1")
+    manifest = log.manifest()
+    assert [r.id for r in manifest] == ids
+    assert [h.id for h in log.heads()] == [ids[-1]]
+    assert [r.id for r in log.lineage(ids[-1])] == ids
+    assert any(r.kind == "delta" for r in manifest)
+    visible = {k for k in payload_keys(url, "r1")}
+    assert visible == referenced_payloads(log), "orphan or missing payloads"
+    for checkpoint, path in zip(ids, paths, strict=True):
+        assert log.load(checkpoint) == path.read_bytes()
+
+
+def test_commit_refuses_a_relative_or_missing_path(tmp_path: Path, worker: WorkerProcess
+                                                   ) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    result = app.signature("chkq.commit", args=(url, "r1", "relative/file.bin")).apply_async()
+    with pytest.raises(ValueError, match="must be absolute"):
+        result.get(timeout=TIMEOUT)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        submit_commit(url, "r1", tmp_path / "missing.bin")
+    with pytest.raises(ValueError, match="run"):
+        submit_commit(url, "../escape", tmp_path / "x")
+
+
+@contextmanager
+def commits_paused(worker: WorkerProcess) -> Iterator[None]:
+    """The session worker (which has no S3 credentials) leaves commit tasks alone."""
+    app.control.cancel_consumer(COMMIT_QUEUE, destination=[worker.name], reply=True)
+    try:
+        yield
+    finally:
+        app.control.add_consumer(COMMIT_QUEUE, destination=[worker.name], reply=True)
+
+
+def test_commit_to_s3_through_a_briefly_unreachable_endpoint(
+    tmp_path: Path, worker: WorkerProcess, start_worker: object, s3_proxy: object
+) -> None:
+    """moto's HTTP server behind a proxy that refuses connections for a while: retried."""
+    paths = checkpoint_series(tmp_path / "run", 3, size=256 * 1024)
+    env = {"AWS_ENDPOINT_URL": s3_proxy.url,  # type: ignore[attr-defined]
+           "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    from tests.plugins.object_stores import BUCKET
+
+    url = f"s3://{BUCKET}/t-{os.getpid()}-{tmp_path.name}"
+    with commits_paused(worker):
+        start_worker("commit", concurrency=1, env=env)  # type: ignore[operator]
+        first = submit_commit(url, "r1", paths[0], name=paths[0].name)
+        record_of(first.get(timeout=TIMEOUT))
+        s3_proxy.go_down(2.0)  # type: ignore[attr-defined]
+        results = [submit_commit(url, "r1", p, parent_head=False,
+                                 parent=sha(paths[i].read_bytes()), name=p.name)
+                   for i, p in enumerate(paths[1:])]
+        records = [record_of(r.get(timeout=TIMEOUT)) for r in results]
+    assert [r.id for r in records] == [sha(p.read_bytes()) for p in paths[1:]]
+    log = CheckpointLog(open_store(url), "r1")
+    assert len(log.manifest()) == 3
+    assert log.load(records[-1].id) == paths[-1].read_bytes()
+
+
+def chkq(*args: str, broker: bool = False) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if not broker:
+        env.pop("CHKQ_BROKER_URL", None)
+        env.pop("CHKQ_RESULT_BACKEND", None)
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_log_cli_on_the_embedded_cluster(tmp_path: Path) -> None:
+    """``chkq log`` end to end with no broker configured (embedded cluster)."""
+    paths = checkpoint_series(tmp_path / "run", 3)
+    url = f"file://{tmp_path / 'store'}"
+    first = chkq("log", "commit", url, "r1", str(paths[0]), "--step", "0", "--label", "start")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.strip() == sha(paths[0].read_bytes())
+    for step, path in enumerate(paths[1:], start=1):
+        done = chkq("log", "commit", url, "r1", str(path), "--parent-head", "--step", str(step))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == sha(path.read_bytes())
+    listed = chkq("log", "list", url, "r1").stdout.splitlines()
+    assert [line.split()[0] for line in listed] == [sha(p.read_bytes()) for p in paths]
+    assert "label=start" in listed[0]
+    heads = chkq("log", "heads", url, "r1").stdout.split()
+    assert heads[0] == sha(paths[-1].read_bytes())
+    lineage = chkq("log", "lineage", url, "r1", heads[0][:10]).stdout.splitlines()
+    assert len(lineage) == 3
+    out = tmp_path / "pulled.bin"
+    assert chkq("log", "pull", url, "r1", heads[0][:12], "-o", str(out)).returncode == 0
+    assert out.read_bytes() == paths[-1].read_bytes()
+    back = tmp_path / "back"
+    restored = chkq("log", "restore", url, "r1", str(back))
+    assert restored.returncode == 0, restored.stderr
+    assert sorted(p.name for p in back.iterdir()) == [p.name for p in paths]
+    assert (back / paths[1].name).read_bytes() == paths[1].read_bytes()
+    gc = chkq("log", "gc", url, "r1", "--older-than", "0")
+    assert gc.returncode == 0 and gc.stdout == ""
+    bad = chkq("log", "pull", url, "r1", "ffffff", "-o", str(out))
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ")
+    usage = chkq("log", "commit", url)
+    assert usage.returncode == 2
+
+
+def test_gc_removes_only_payloads_left_by_a_crashed_committer(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    paths = checkpoint_series(tmp_path / "run", 2)
+    log = CheckpointLog(open_store(url), "r1")
+    log.commit(paths[0].read_bytes())
+    orphan = f"runs/r1/payloads/{'ab' * 32}.full.zst"
+    log.store.put(orphan, b"left by a committer killed before its record")
+    before = payload_keys(url, "r1")
+    out = chkq("log", "gc", url, "r1", "--older-than", "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [orphan]
+    assert payload_keys(url, "r1") == before - {orphan}
+    assert log.load(log.heads()[0].id) == paths[0].read_bytes()
