@@ -84,48 +84,59 @@ def _create(group: h5py.Group, name: str, tid: h5t.TypeID, trailing: tuple[int, 
 def write_checkpoint_file(path: Path, shape: RunShape, first_trial: int, trials: int,
                           checkpoint: int, complete: bool = True) -> None:
     """Write one checkpoint file holding trials ``[first_trial, first_trial + trials)``."""
+    with h5py.File(path, "w") as f:
+        fill_checkpoint(f, shape, first_trial, trials, checkpoint)
+        if complete:
+            mark_complete(f, first_trial + trials)
+
+
+def mark_complete(f: h5py.File, trials_completed: int) -> None:
+    """Write ``trials_completed``, as a simulation does when it closes a checkpoint."""
+    f.attrs["trials_completed"] = np.uint64(trials_completed)
+
+
+def fill_checkpoint(f: h5py.File, shape: RunShape, first_trial: int, trials: int,
+                    checkpoint: int) -> None:
+    """Write a checkpoint's content (all but ``trials_completed``) into open file ``f``."""
     rng = np.random.default_rng([shape.seed, checkpoint, first_trial])
     n_clusters = trials * shape.clusters_per_trial
-    with h5py.File(path, "w") as f:
-        f.attrs["date"] = "2026-08-18"
-        f.attrs["slug-hash"] = "b8dec92c3c199b293ffb436530ee46befce15fa6"
-        f.attrs["checkpoint"] = np.uint64(checkpoint)
-        deck = f.create_group("input_deck")
-        deck.create_dataset("toml", data=f"model = 'demo'\ncheckpoint = {checkpoint}\n",
-                            dtype=STR)
-        galaxy = f.create_group("galaxy")
-        trial = _create(galaxy, "trial", h5t.STD_U64LE, (), shape, trials)
-        trial[:] = np.arange(first_trial, first_trial + trials, dtype=np.uint64)
-        trial.attrs["units"] = ""
-        mass = _create(galaxy, "actual_mass", h5t.IEEE_F64LE, (), shape, trials)
-        values = rng.lognormal(8.0, 1.0, trials)
-        if shape.nans and trials:
-            values[:: 7] = np.nan
-        mass[:] = values
-        mass.attrs["units"] = "Msun"
-        phot_group = f.create_group("galaxy_phot")
-        phot_group.attrs["filters"] = np.array(["GALEX.GALEX.FUV", "Q(HI)"], dtype=STR)
-        phot = _create(phot_group, "phot", h5t.IEEE_F64LE, (2,), shape, trials)
-        phot[:] = rng.random((trials, 2)) * 1e38
-        phot.attrs["units"] = np.array(["erg/(s Angstrom)", "photon/s"], dtype=STR)
-        spectra = f.create_group("spectra")
-        spectra.create_dataset("wl", data=np.linspace(912.0, 10000.0, shape.spec_columns))
-        spec = _create(spectra, "spec", h5t.IEEE_F64LE, (shape.spec_columns,), shape, trials)
-        if trials:
-            spec[:] = rng.random((trials, shape.spec_columns))
-        spec.attrs["units"] = "erg/s/A"
-        clusters = f.create_group("clusters")
-        uid = _create(clusters, "uid", h5t.STD_U64LE, (), shape, n_clusters)
-        uid[:] = np.arange(n_clusters, dtype=np.uint64) + first_trial * shape.clusters_per_trial
-        cmass = _create(clusters, "mass", h5t.IEEE_F64LE, (), shape, n_clusters)
-        cmass[:] = rng.random(n_clusters) * 100.0
-        rng_col = _create(clusters, "rng", nullterm_string_type(128), (), shape, n_clusters)
-        if n_clusters:
-            states = [f"{rng.integers(1 << 62)} {rng.integers(1 << 62)}".encode()
-                      for _ in range(n_clusters)]
-            rng_col[:] = np.array(states, dtype="S128")
-        if complete:
-            f.attrs["trials_completed"] = np.uint64(first_trial + trials)
+    f.attrs["date"] = "2026-08-18"
+    f.attrs["slug-hash"] = "b8dec92c3c199b293ffb436530ee46befce15fa6"
+    f.attrs["checkpoint"] = np.uint64(checkpoint)
+    deck = f.create_group("input_deck")
+    deck.create_dataset("toml", data=f"model = 'demo'\ncheckpoint = {checkpoint}\n",
+                        dtype=STR)
+    galaxy = f.create_group("galaxy")
+    trial = _create(galaxy, "trial", h5t.STD_U64LE, (), shape, trials)
+    trial[:] = np.arange(first_trial, first_trial + trials, dtype=np.uint64)
+    trial.attrs["units"] = ""
+    mass = _create(galaxy, "actual_mass", h5t.IEEE_F64LE, (), shape, trials)
+    values = rng.lognormal(8.0, 1.0, trials)
+    if shape.nans and trials:
+        values[:: 7] = np.nan
+    mass[:] = values
+    mass.attrs["units"] = "Msun"
+    phot_group = f.create_group("galaxy_phot")
+    phot_group.attrs["filters"] = np.array(["GALEX.GALEX.FUV", "Q(HI)"], dtype=STR)
+    phot = _create(phot_group, "phot", h5t.IEEE_F64LE, (2,), shape, trials)
+    phot[:] = rng.random((trials, 2)) * 1e38
+    phot.attrs["units"] = np.array(["erg/(s Angstrom)", "photon/s"], dtype=STR)
+    spectra = f.create_group("spectra")
+    spectra.create_dataset("wl", data=np.linspace(912.0, 10000.0, shape.spec_columns))
+    spec = _create(spectra, "spec", h5t.IEEE_F64LE, (shape.spec_columns,), shape, trials)
+    if trials:
+        spec[:] = rng.random((trials, shape.spec_columns))
+    spec.attrs["units"] = "erg/s/A"
+    clusters = f.create_group("clusters")
+    uid = _create(clusters, "uid", h5t.STD_U64LE, (), shape, n_clusters)
+    uid[:] = np.arange(n_clusters, dtype=np.uint64) + first_trial * shape.clusters_per_trial
+    cmass = _create(clusters, "mass", h5t.IEEE_F64LE, (), shape, n_clusters)
+    cmass[:] = rng.random(n_clusters) * 100.0
+    rng_col = _create(clusters, "rng", nullterm_string_type(128), (), shape, n_clusters)
+    if n_clusters:
+        states = [f"{rng.integers(1 << 62)} {rng.integers(1 << 62)}".encode()
+                  for _ in range(n_clusters)]
+        rng_col[:] = np.array(states, dtype="S128")
 
 
 def make_run(out_dir: str | Path, model: str, shape: RunShape | None = None) -> list[Path]:
