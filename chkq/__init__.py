@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "consolidate_checkpoints": "workers.client",
     "submit_consolidation": "workers.client",
+    "submit_commit": "workers.commits",
     "CheckpointLog": "chkq.log",
     "CheckpointRecord": "chkq.log",
     "CheckpointStore": "chkq.stores",
