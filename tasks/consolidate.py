@@ -53,7 +53,16 @@ def task_id(job: str, step: str, unit: int | None = None) -> str:
 
 def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     """Validate a message's arguments before any file is touched."""
+    if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
+        raise ValueError(f"output directory {out_dir!r} must be an absolute path")
     return check_out_dir(out_dir), check_model_name(model), check_job_id(job)
+
+
+def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
+    """``unit`` if it is an int naming one of the job's ``count`` units, else ValueError."""
+    if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < count:
+        raise ValueError(f"job {job} has no {kind} unit {unit!r}")
+    return unit
 
 
 def _fail_signature(out_dir: str, model: str, job: str) -> Any:
@@ -112,6 +121,8 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
              cleanup: bool = False) -> dict[str, Any]:
     """Check the run, write the skeleton and the plan, and launch the copies."""
     directory, model, job = _checked(out_dir, model, job)
+    if not isinstance(cleanup, bool):
+        raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
     self.check_deliveries()
     with Timer("chkq.plan", job, model=model, out_dir=directory) as timer:
         plan = prepare(
@@ -139,8 +150,7 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     directory, model, job = _checked(out_dir, model, job)
     self.check_deliveries()
     plan = load_plan(directory, model, job)
-    if not 0 <= unit < len(plan.copy_units):
-        raise ValueError(f"job {job} has no copy unit {unit}")
+    unit = _checked_unit(unit, len(plan.copy_units), job, "copy")
     total = describe_unit(plan, unit)["rows"]
     datasets = ",".join(what.get("datasets", []))
     with Timer("chkq.copy", job, model=model, unit=unit, datasets=datasets) as timer:
@@ -174,8 +184,7 @@ def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     directory, model, job = _checked(out_dir, model, job)
     self.check_deliveries()
     plan = load_plan(directory, model, job)
-    if not 0 <= unit < len(plan.verify_units):
-        raise ValueError(f"job {job} has no verify unit {unit}")
+    unit = _checked_unit(unit, len(plan.verify_units), job, "verify")
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
     names = ",".join(what.get("files", []))
