@@ -28,7 +28,7 @@ TASK_MODULES = ("tasks.consolidate", "tasks.commit")
 log = logging.getLogger("chkq.worker")
 
 
-class GuardedConsumer(Consumer):  # type: ignore[misc]
+class GuardedConsumer(Consumer):
     """The worker's message consumer, hardened against hostile or broken messages.
 
     Celery refuses pickle, but two holes remain in 5.7: kombu passes bodies
