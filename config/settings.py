@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 MiB = 1024 * 1024
 
@@ -50,7 +51,17 @@ class Settings:
     visibility_timeout
         Redis visibility timeout in seconds (``CHKQ_VISIBILITY_TIMEOUT``):
         an unacknowledged message is delivered again after this long, so it
-        must exceed ``time_limit``.
+        must exceed ``time_limit``. It is also how long the tasks of a worker
+        that died as a whole (node lost, SIGKILL of the main process) wait
+        before another worker takes them over; a pool process that dies
+        hands its task back at once (reject-on-worker-lost).
+    restore_interval
+        Seconds between the sweeps in which every worker hands messages past
+        the visibility timeout back to their queues
+        (``CHKQ_RESTORE_INTERVAL``; default a tenth of the visibility
+        timeout, between 1 and 60 s). kombu 5.7 sweeps only every 10th
+        10-second tick unless told otherwise (up to 100 s late); see
+        :meth:`broker_transport_options`.
     result_expires
         Seconds results are kept in the backend (``CHKQ_RESULT_EXPIRES``).
     max_redeliveries
@@ -67,6 +78,7 @@ class Settings:
     soft_time_limit: int = 3300
     time_limit: int = 3600
     visibility_timeout: int = 4200
+    restore_interval: int = 0
     result_expires: int = 7 * 24 * 3600
     max_redeliveries: int = 3
     extra: dict[str, str] = field(default_factory=dict)
@@ -84,6 +96,7 @@ class Settings:
             soft_time_limit=_int("CHKQ_SOFT_TIME_LIMIT", cls.soft_time_limit),
             time_limit=_int("CHKQ_TIME_LIMIT", cls.time_limit),
             visibility_timeout=_int("CHKQ_VISIBILITY_TIMEOUT", cls.visibility_timeout),
+            restore_interval=_int("CHKQ_RESTORE_INTERVAL", cls.restore_interval),
             result_expires=_int("CHKQ_RESULT_EXPIRES", cls.result_expires),
             max_redeliveries=_int("CHKQ_MAX_REDELIVERIES", cls.max_redeliveries),
         )
@@ -98,8 +111,41 @@ class Settings:
             raise ValueError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
         if not 0 < self.soft_time_limit <= self.time_limit:
             raise ValueError("CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
+        if self.restore_interval < 0:
+            raise ValueError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
         if self.visibility_timeout <= self.time_limit:
             raise ValueError(
                 "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
                 "running would be delivered again and run twice at once"
             )
+
+    @property
+    def restore_every(self) -> int:
+        """Seconds between two sweeps for messages past the visibility timeout."""
+        if self.restore_interval:
+            return self.restore_interval
+        return max(1, min(60, self.visibility_timeout // 10))
+
+    @property
+    def takeover_bound(self) -> int:
+        """Seconds after which a dead worker's messages are surely delivered again.
+
+        A message is handed back by the first sweep after ``visibility_timeout``
+        seconds since its delivery: at most this long.
+        """
+        return self.visibility_timeout + self.restore_every
+
+    def broker_transport_options(self) -> dict[str, Any]:
+        """kombu Redis transport options: visibility timeout and a steady restore sweep.
+
+        kombu 5.7 scans for messages past the visibility timeout only every
+        ``unacked_restore_throttle`` (10) ticks of ``unacked_restore_interval``
+        (10 s): a dead worker's tasks could wait up to 100 s more. Scanning on
+        every tick of ``restore_every`` seconds bounds the wait by
+        :attr:`takeover_bound`.
+        """
+        return {
+            "visibility_timeout": self.visibility_timeout,
+            "unacked_restore_interval": self.restore_every,
+            "unacked_restore_throttle": 1,
+        }
