@@ -17,14 +17,27 @@ from typing import Any
 
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.discovery import check_model_name, check_out_dir
+from chkq.finalize import discard_job_files
+from chkq.naming import JobFiles
 from config.celery_app import app, settings
 from tasks.base import PROGRESS
 from tasks.consolidate import consolidation_signature, root_cause, task_id
 from tasks.jobs import finished_result, job_info, record_submitted
 
 POLL_SECONDS = 0.2
+
+#: How long ``wait_for_output`` rides out a broker it cannot reach (a Redis restart).
+OUTAGE_GRACE_SECONDS = 120.0
+
+#: Errors that mean "the broker/result backend did not answer", not "the job failed".
+BROKER_ERRORS: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, OperationalError, ConnectionError,
+)
 
 
 @dataclass(frozen=True)
@@ -38,11 +51,21 @@ class Progress:
 
 
 class JobLostError(RuntimeError):
-    """The broker no longer knows the job (Redis restarted without persistence)."""
+    """The broker no longer knows the job (Redis restarted without persistence).
+
+    Also raised when the broker stayed unreachable for longer than the grace
+    period of :meth:`ConsolidationJob.wait_for_output`.
+    """
 
 
 class ConsolidationJob(AsyncResult):
-    """A submitted consolidation: an AsyncResult on the job id, with progress."""
+    """A submitted consolidation: an AsyncResult on the job id, with progress.
+
+    ``files`` (set by :func:`submit_consolidation`) names the job's files, so
+    that a client that learns the job was lost can remove its temporaries.
+    """
+
+    files: JobFiles | None = None
 
     def _plan_summary(self) -> dict[str, Any] | None:
         plan = AsyncResult(task_id(self.id, "plan"), app=self.app)
@@ -76,30 +99,65 @@ class ConsolidationJob(AsyncResult):
         timeout: float | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         is_alive: Callable[[], None] | None = None,
+        outage_grace: float = OUTAGE_GRACE_SECONDS,
     ) -> Path:
         """Block until the job ends; return the output path or raise the job's error.
+
+        A broker that stops answering (Redis restarting) is waited for, up to
+        ``outage_grace`` seconds at a time: with persistence the job carries
+        on where it was.
 
         Raises
         ------
         TimeoutError
             After ``timeout`` seconds.
         JobLostError
-            If the broker forgot the job (a Redis restart without persistence).
+            If the broker forgot the job (a Redis restart without persistence),
+            or did not answer for ``outage_grace`` seconds. The job's
+            temporaries are removed; its checkpoints were never touched.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.ready():
+        unreachable_since: float | None = None
+        while True:
+            try:
+                if self._poll(on_progress):
+                    break
+                unreachable_since = None
+            except BROKER_ERRORS as exc:
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > outage_grace:
+                    raise JobLostError(
+                        f"the broker has not answered for {outage_grace:.0f} s ({exc}); "
+                        f"the fate of job {self.id} is unknown: check the broker, then "
+                        "submit it again"
+                    ) from exc
             if is_alive is not None:
                 is_alive()
-            if job_info(self.id) is None:
-                raise JobLostError(
-                    f"the broker no longer knows job {self.id} (was Redis restarted "
-                    "without persistence?); its checkpoints are untouched: submit it again"
-                )
-            if on_progress is not None:
-                on_progress(self.progress)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"job {self.id} did not finish within {timeout} s")
             time.sleep(POLL_SECONDS)
+        return self._outcome()
+
+    def _poll(self, on_progress: Callable[[Progress], None] | None) -> bool:
+        """True once the job ended; raise JobLostError if the broker forgot it."""
+        if self.ready():
+            return True
+        if job_info(self.id) is None:
+            if finished_result(self.id) is not None or self.ready():
+                return True
+            removed = discard_job_files(self.files) if self.files is not None else []
+            raise JobLostError(
+                f"the broker no longer knows job {self.id} (was Redis restarted "
+                "without persistence?); its checkpoints are untouched"
+                + (f" and its {len(removed)} temporary files were removed" if removed else "")
+                + ": submit it again"
+            )
+        if on_progress is not None:
+            on_progress(self.progress)
+        return False
+
+    def _outcome(self) -> Path:
         if self.successful():
             return Path(self.result["output"])
         done = finished_result(self.id)
@@ -126,7 +184,9 @@ def submit_consolidation(
     job = uuid.uuid4().hex
     record_submitted(job, model, str(directory))
     consolidation_signature(str(directory), model, job, cleanup).apply_async()
-    return ConsolidationJob(job, app=app)
+    handle = ConsolidationJob(job, app=app)
+    handle.files = JobFiles(directory, model, job)
+    return handle
 
 
 def consolidate_checkpoints(
