@@ -25,6 +25,15 @@ class PoisonMessageError(RuntimeError):
     """A task message was delivered too many times: it keeps killing its worker."""
 
 
+class JobInterruptedError(RuntimeError):
+    """A step of a job was terminated from outside (revoked, or cancelled on a broker loss)."""
+
+
+def deliveries_key(task_id: str, retries: int = 0) -> str:
+    """Redis key (result backend) counting deliveries of one task message."""
+    return f"chkq-deliveries-{task_id}-{retries}"
+
+
 class ChkqTask(Task):
     """Base class of chkq tasks (see module docstring)."""
 
@@ -42,7 +51,7 @@ class ChkqTask(Task):
         task_id = self.request.id
         if client is None or task_id is None:
             return
-        key = f"chkq-deliveries-{task_id}-{self.request.retries or 0}"
+        key = deliveries_key(task_id, self.request.retries or 0)
         count = client.incr(key)
         client.expire(key, settings.result_expires)
         if count > settings.max_redeliveries:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from celery import chord, group, signature
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 
 from chkq.copy_rows import copy_unit
@@ -38,7 +38,7 @@ from chkq.plan import Plan, load_plan
 from chkq.planner import prepare
 from chkq.verify_rows import verify_files
 from config.celery_app import app, settings
-from tasks.base import ChkqTask, Timer
+from tasks.base import ChkqTask, JobInterruptedError, Timer
 from tasks.jobs import finished_result, record_finished
 
 log = logging.getLogger("chkq.tasks")
@@ -232,6 +232,24 @@ def root_cause(exc: BaseException) -> BaseException:
     return exc
 
 
+def explained(cause: BaseException, job: str) -> BaseException:
+    """The error a user is shown for ``cause``, the root cause of a failed job.
+
+    A step terminated from outside surfaces from Celery as a bare
+    ``TaskRevokedError('terminated')``: say what that means. It happens when
+    a worker loses its broker connection (a Redis restart) while the step
+    runs: Celery then terminates the step, and with the broker down it
+    cannot hand it back, so it records it as revoked.
+    """
+    if isinstance(cause, TaskRevokedError):
+        return JobInterruptedError(
+            f"job {job} was interrupted: one of its steps was terminated ({cause}), either "
+            "because its worker lost the connection to the broker (a Redis restart?) or "
+            "because it was revoked; the checkpoints are untouched: submit the job again"
+        )
+    return cause
+
+
 @app.task(name="chkq.fail")
 def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: str,
          job: str) -> None:
@@ -241,7 +259,7 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     failure unless the job already succeeded (a late, redelivered step).
     """
     directory, model, job = _checked(out_dir, model, job)
-    cause = root_cause(exc)
+    cause = explained(root_cause(exc), job)
     files = JobFiles(directory, model, job)
     if files.linked.exists() or finished_result(job) is not None:
         log.warning("job=%s failure after link ignored: %r", job, cause)
