@@ -1,0 +1,333 @@
+"""``chkq status [JOB]``: where consolidation jobs stand, read from the result backend.
+
+A job's steps have deterministic task ids (``JOB-plan``, ``JOB-copy-N``,
+``JOB-merge``, ``JOB-verify-N``, and ``JOB`` for the link), so one ``MGET``
+of their results tells which steps are done, which are running (with the
+rows done of their ``PROGRESS`` state), which failed, and why.
+
+With a job id, ``chkq status`` prints that job step by step; without, one
+line for each recent job. A failed job also prints ``error: ...`` on stderr
+and exits 1, like ``chkq consolidate``; an unknown job exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: Units listed one per line at most, per step, in the detailed view.
+MAX_LISTED = 10
+
+STEPS = ("plan", "copy", "merge", "verify", "link")
+
+
+@dataclass
+class UnitState:
+    """The stored state of one task of a job.
+
+    Attributes
+    ----------
+    task_id
+        Its id (``JOB-copy-3``...).
+    state
+        Celery state: PENDING (not started, or unknown), STARTED, PROGRESS,
+        SUCCESS, FAILURE...
+    done, total
+        Rows done and to do, from a PROGRESS state or a result.
+    error
+        ``Type: message`` of the exception of a failed task.
+    """
+
+    task_id: str
+    state: str
+    done: int | None = None
+    total: int | None = None
+    error: str | None = None
+
+
+@dataclass
+class JobStatus:
+    """Everything ``chkq status JOB`` shows about one job."""
+
+    job: str
+    state: str
+    phase: str
+    model: str | None = None
+    out_dir: str | None = None
+    submitted: float | None = None
+    output: str | None = None
+    error: str | None = None
+    failed_task: str | None = None
+    plan: dict[str, Any] | None = None
+    steps: dict[str, list[UnitState]] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> tuple[int, int, int]:
+        """Rows copied and verified so far, and the job's total."""
+        total = int((self.plan or {}).get("rows") or 0)
+        copied = sum(u.done or 0 for u in self.steps.get("copy", []))
+        verified = sum(u.done or 0 for u in self.steps.get("verify", []))
+        return copied, verified, total
+
+
+def describe_error(exc: Any) -> str:
+    """``Type: message`` of a stored exception (first line of the message)."""
+    if isinstance(exc, BaseException):
+        message = (str(exc) or "").splitlines()
+        return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+    if isinstance(exc, dict) and "exc_type" in exc:
+        return f"{exc['exc_type']}: {exc.get('exc_message')}"
+    return repr(exc)
+
+
+def _is_consequence(exc: Any) -> bool:
+    """True for the ChordError a chord callback gets when a header task failed."""
+    from celery.exceptions import ChordError
+
+    return isinstance(exc, ChordError)
+
+
+def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
+    """Stored result metadata of ``task_ids`` (None: nothing stored), in one MGET per 1,000."""
+    from config.celery_app import app
+
+    backend = app.backend
+    metas: dict[str, dict[str, Any] | None] = {}
+    for start in range(0, len(task_ids), 1000):
+        batch = task_ids[start:start + 1000]
+        raws = backend.client.mget([backend.get_key_for_task(t) for t in batch])
+        for task_id, raw in zip(batch, raws, strict=True):
+            metas[task_id] = backend.decode_result(raw) if raw else None
+    return metas
+
+
+def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
+    if meta is None:
+        return UnitState(task_id, "PENDING")
+    state, result = meta.get("status", "PENDING"), meta.get("result")
+    unit = UnitState(task_id, state)
+    if state == "FAILURE":
+        unit.error = describe_error(result)
+    elif isinstance(result, dict):
+        done = result.get("done", result.get("rows"))
+        unit.done = int(done) if isinstance(done, int) else None
+        total = result.get("total", result.get("rows"))
+        unit.total = int(total) if isinstance(total, int) else None
+    return unit
+
+
+def job_status(job: str) -> JobStatus:
+    """Read the state of consolidation job ``job`` from the result backend.
+
+    Raises
+    ------
+    LookupError
+        If the backend knows nothing of ``job`` (never submitted, or expired).
+    """
+    from chkq.naming import check_job_id
+    from tasks.consolidate import task_id
+    from tasks.jobs import finished_result, job_info
+
+    check_job_id(job)
+    info = job_info(job) or {}
+    plan_id = task_id(job, "plan")
+    first = fetch_metas([plan_id, task_id(job, "merge"), job])
+    plan_meta, merge_meta, link_meta = first[plan_id], first[task_id(job, "merge")], first[job]
+    plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
+    plan = plan if isinstance(plan, dict) else None
+    if not info and plan_meta is None and link_meta is None:
+        raise LookupError(f"no job {job} in the result backend (never submitted, or expired)")
+
+    steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
+    for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):
+        count = int(plan.get(count_key) or 0) if plan else 0
+        ids = [task_id(job, step, n) for n in range(count)]
+        metas = fetch_metas(ids) if ids else {}
+        steps[step] = [_unit(t, metas[t]) for t in ids]
+    steps["merge"] = [_unit(task_id(job, "merge"), merge_meta)]
+
+    status = JobStatus(job=job, state="PENDING", phase="queued", model=info.get("model"),
+                       out_dir=info.get("out_dir"), submitted=info.get("submitted"),
+                       plan=plan, steps=steps)
+    done = finished_result(job)
+    link = _unit(job, link_meta)
+    causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
+              if u.state == "FAILURE"]
+    real = [(s, u) for s, u in causes
+            if not (s in ("merge",) and u.error and u.error.startswith("ChordError"))]
+    if done is not None:
+        link = UnitState(job, "SUCCESS")
+        status.state, status.phase, status.output = "SUCCESS", "done", str(done.get("output"))
+    elif link.state == "FAILURE" or causes:
+        status.state, status.phase = "FAILURE", "failed"
+        if real:
+            step, unit = real[0]
+            status.failed_task = unit.task_id
+            status.error = unit.error
+            if link.state == "FAILURE":
+                link = UnitState(job, "NOT RUN")
+        else:
+            status.failed_task, status.error = job, link.error
+        if link_meta is not None and link_meta.get("status") == "FAILURE":
+            cause = link_meta.get("result")
+            if not _is_consequence(cause):
+                status.error = describe_error(cause)
+    else:
+        status.state = "RUNNING" if plan_meta is not None else "PENDING"
+        status.phase = _phase(steps, link)
+    steps["link"] = [link]
+    return status
+
+
+def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> str:
+    """The step a running job is at."""
+    if link.state in ("STARTED", "PROGRESS"):
+        return "linking"
+    for step in ("verify", "merge", "copy"):
+        if any(u.state not in ("PENDING",) for u in steps[step]):
+            if step == "copy" and all(u.state == "SUCCESS" for u in steps[step]):
+                return "merging"
+            return {"verify": "verifying", "merge": "merging", "copy": "copying"}[step]
+    plan = steps["plan"][0]
+    return "planning" if plan.state in ("STARTED", "PROGRESS") else (
+        "copying" if plan.state == "SUCCESS" else "queued")
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "?"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _summary(units: list[UnitState]) -> str:
+    counts: dict[str, int] = {}
+    for unit in units:
+        counts[unit.state] = counts.get(unit.state, 0) + 1
+    words = {"SUCCESS": "done", "PROGRESS": "running", "STARTED": "running",
+             "FAILURE": "failed", "PENDING": "pending", "RETRY": "retrying"}
+    merged: dict[str, int] = {}
+    for state, n in counts.items():
+        word = words.get(state, state.lower())
+        merged[word] = merged.get(word, 0) + n
+    order = ["done", "running", "failed", "retrying", "pending"]
+    parts = [f"{merged.pop(w)} {w}" for w in order if w in merged]
+    parts += [f"{n} {w}" for w, n in merged.items()]
+    return f"{len(units)} tasks: " + ", ".join(parts) if units else "no tasks yet"
+
+
+def _unit_line(unit: UnitState) -> str:
+    name = unit.task_id.split("-", 1)[1] if "-" in unit.task_id else "link"
+    line = f"    {name:<12} {unit.state:<9}"
+    if unit.state == "FAILURE":
+        return f"{line} {unit.error}"
+    if unit.done is not None and unit.total is not None:
+        line += f" {unit.done:,}/{unit.total:,} rows"
+    return line
+
+
+def format_job(status: JobStatus) -> str:
+    """The detailed, multi-line view of one job."""
+    copied, verified, total = status.rows
+    lines = [f"job {status.job}: {status.state} ({status.phase})"]
+    if status.model:
+        lines.append(f"  model {status.model!r} in {status.out_dir}, "
+                     f"submitted {_when(status.submitted)}")
+    if status.output:
+        lines.append(f"  output {status.output}")
+    if total:
+        lines.append(f"  rows copied {copied:,}/{total:,}, verified {verified:,}/{total:,}")
+    for step in STEPS:
+        units = status.steps.get(step, [])
+        if step in ("copy", "verify"):
+            lines.append(f"  {step:<8} {_summary(units)}")
+            shown = [u for u in units if u.state not in ("SUCCESS", "PENDING")]
+            for unit in shown[:MAX_LISTED]:
+                lines.append(_unit_line(unit))
+            if len(shown) > MAX_LISTED:
+                lines.append(f"    ... and {len(shown) - MAX_LISTED} more")
+            continue
+        unit = units[0] if units else UnitState(status.job, "PENDING")
+        detail = f" {unit.error}" if unit.state == "FAILURE" else ""
+        if unit.error and unit.error.startswith("ChordError"):
+            detail = " (not run: a task it waits for failed)"
+        if step == "plan" and status.plan:
+            p = status.plan
+            detail = (f" {p.get('files')} files, {p.get('rows', 0):,} rows, "
+                      f"{p.get('copy_units')} copy and {p.get('verify_units')} verify tasks")
+        lines.append(f"  {step:<8} {unit.state}{detail}")
+    if status.state == "FAILURE":
+        lines.append(f"  failed task: {status.failed_task}")
+        lines.append(f"  reason: {status.error}")
+    return "\n".join(lines)
+
+
+def format_recent(statuses: list[JobStatus]) -> str:
+    """One line per job, newest first."""
+    if not statuses:
+        return "no recent jobs"
+    lines = [f"{'JOB':<32}  {'STATE':<8} {'PHASE':<10} {'SUBMITTED':<19}  MODEL / DETAIL"]
+    for s in statuses:
+        copied, verified, total = s.rows
+        if s.state == "SUCCESS":
+            detail = s.output or ""
+        elif s.state == "FAILURE":
+            detail = f"{s.failed_task}: {s.error}"
+        elif total:
+            detail = f"copied {copied:,}/{total:,}, verified {verified:,}/{total:,} rows"
+        else:
+            detail = ""
+        where = f"{s.model} in {s.out_dir}" if s.model else ""
+        lines.append(f"{s.job:<32}  {s.state:<8} {s.phase:<10} {_when(s.submitted):<19}  "
+                     f"{where}" + (f": {detail}" if detail else ""))
+    return "\n".join(lines)
+
+
+def recent_statuses(limit: int) -> list[JobStatus]:
+    """Statuses of the ``limit`` most recently submitted jobs (expired ones left out)."""
+    from tasks.jobs import recent_jobs
+
+    found = []
+    for job in recent_jobs(limit):
+        try:
+            found.append(job_status(job))
+        except (LookupError, ValueError):
+            continue
+    return found
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``chkq status [JOB]``."""
+    from config.celery_app import settings
+
+    if not settings.broker_url:
+        raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
+    if args.job is None:
+        statuses = recent_statuses(args.limit)
+        if args.json:
+            print(json.dumps([asdict(s) for s in statuses], indent=2, default=str))
+        else:
+            print(format_recent(statuses))
+        return 0
+    status = job_status(args.job)
+    print(json.dumps(asdict(status), indent=2, default=str) if args.json else format_job(status))
+    if status.state == "FAILURE":
+        print(f"error: job {status.job} failed in {status.failed_task}: {status.error}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def register(sub: Any) -> None:
+    """Add ``chkq status [JOB] [--limit N] [--json]`` to the ``chkq`` command line."""
+    p = sub.add_parser(
+        "status", help="show a job's steps (done, running, failed and why), or recent jobs",
+        description="Read the state of consolidation jobs from the result backend "
+        "(CHKQ_RESULT_BACKEND or CHKQ_BROKER_URL). Exit status 1 if JOB failed or is unknown.")
+    p.add_argument("job", nargs="?", help="job id (default: list the recent jobs)")
+    p.add_argument("--limit", type=int, default=20, help="recent jobs to list (default: 20)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
