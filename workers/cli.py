@@ -16,7 +16,9 @@ from pathlib import Path
 from chkq import __version__
 
 #: Modules that add subcommands: each has ``register(subparsers)``.
-COMMAND_MODULES: tuple[str, ...] = ("workers.log_cli", "workers.watch")
+COMMAND_MODULES: tuple[str, ...] = (
+    "workers.log_cli", "workers.watch", "workers.flower", "workers.status",
+)
 
 
 class ProgressLine:
