@@ -8,12 +8,13 @@ kept). A file is complete only when its root has ``trials_completed``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5t
+from h5py import h5a, h5d, h5f, h5o, h5s, h5t
 
 COMPLETE_ATTR = "trials_completed"
 MAX_LISTED_DIFFERENCES = 5
@@ -77,8 +78,43 @@ def open_checkpoint(path: Path) -> h5py.File:
                          f"({exc})") from None
 
 
+def open_checkpoint_id(path: Path) -> h5f.FileID:
+    """Open a checkpoint file read-only with the low-level API (about 15x cheaper than h5py.File).
+
+    Planning, copying and verifying open every checkpoint file; with
+    thousands of small files ``h5py.File``'s set-up dominated. The caller
+    closes the returned id (``fid.close()``).
+
+    Raises
+    ------
+    ValueError
+        If the file is not HDF5 or cannot be read, naming it.
+    """
+    try:
+        return h5f.open(os.fsencode(path), h5f.ACC_RDONLY)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ValueError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or unreadable "
+                         f"({exc})") from None
+
+
+_SIGNATURES: dict[bytes, str] = {}
+
+
+def _signature_of(tid: h5t.TypeID) -> str:
+    """``type_signature`` cached by the type's binary encoding (equal encoding, equal type)."""
+    key = tid.encode()
+    found = _SIGNATURES.get(key)
+    if found is None:
+        found = _SIGNATURES[key] = type_signature(tid)
+    return found
+
+
 def scan_file(path: Path) -> FileScan:
     """Open ``path`` once and record its skeleton and row counts.
+
+    Uses the low-level API (``H5Fopen``, ``H5Ovisit``, ``H5Dopen``): the
+    high-level ``visititems`` built an h5py object per member and took
+    ~1.6 ms a file, which dominated planning a run of thousands of files.
 
     Raises
     ------
@@ -87,29 +123,39 @@ def scan_file(path: Path) -> FileScan:
         ``trials_completed`` root attribute).
     """
     scan = FileScan(path)
-    with open_checkpoint(path) as f:
-        if COMPLETE_ATTR not in f.attrs:
+    fid = open_checkpoint_id(path)
+    try:
+        if not h5a.exists(fid, COMPLETE_ATTR.encode()):
             raise ValueError(
                 f"checkpoint file {str(path)!r} is incomplete: its root has no "
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
+        members: list[tuple[bytes, int]] = []
 
-        def visit(name: str, obj: object) -> None:
-            if isinstance(obj, h5py.Group):
-                scan.objects[name] = "group"
-            elif isinstance(obj, h5py.Dataset):
-                if is_extensible(obj):
-                    trailing = tuple(obj.shape[1:])
-                    signature = type_signature(obj.id.get_type())
-                    scan.objects[name] = f"extensible {signature} {trailing}"
-                    scan.rows[name] = int(obj.shape[0])
-                else:
-                    scan.objects[name] = "fixed"
+        def visit(name: bytes, info: h5o._ObjInfo) -> None:
+            members.append((name, info.type))
 
         try:
-            f.visititems(visit)
+            h5o.visit(fid, visit, info=True)
+            for raw, kind in members:
+                name = raw.decode("utf-8", "surrogateescape")
+                if kind == h5o.TYPE_GROUP:
+                    scan.objects[name] = "group"
+                elif kind == h5o.TYPE_DATASET:
+                    dsid = h5d.open(fid, raw)
+                    space = dsid.get_space()
+                    maxdims = space.get_simple_extent_dims(True) if space.shape else ()
+                    if any(m == h5s.UNLIMITED for m in maxdims):
+                        trailing = tuple(space.shape[1:])
+                        signature = _signature_of(dsid.get_type())
+                        scan.objects[name] = f"extensible {signature} {trailing}"
+                        scan.rows[name] = int(space.shape[0])
+                    else:
+                        scan.objects[name] = "fixed"
         except (OSError, RuntimeError, KeyError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
+    finally:
+        fid.close()
     return scan
 
 
