@@ -12,6 +12,10 @@ What is measured, on this machine, in one process tree:
   too), then every row is read back and compared with its source.
 * ``cp``: ``cp -r`` of the checkpoint files into a new directory, then ``sync``.
 
+``wait_for_output`` polls the backend every ``workers.client.POLL_SECONDS``
+(0.2 s as shipped); the bench sets it to ``--poll-seconds`` (0.02 s) so that
+the polling granularity does not dominate a sub-second job, and says so.
+
 Runs (generated into a temporary directory with :func:`chkq.demo.make_run`):
 
 * ``big``: 8 single-file checkpoints, 7,600 trials each, 1,024-column
@@ -20,7 +24,10 @@ Runs (generated into a temporary directory with :func:`chkq.demo.make_run`):
 * ``small``: 2,000 one-trial checkpoint files of ~140 KB (32 spec columns).
 
 Contenders run alternately (rotating order) ``--repeat`` times per run; the
-table shows medians and the ratios against the bars. Peak RSS of each pool
+table shows medians and the ratios against the bars, with the CPU seconds
+each contender used (chkq: its pool processes; serial: this process; cp:
+its child processes) and the load average before each run, since other
+users' processes on a shared machine take cores from the parallel contender. Peak RSS of each pool
 process is read from ``/proc/PID/status`` (``VmHWM``), reset before each
 chkq run through ``/proc/PID/clear_refs`` (needs root or the same user).
 
@@ -247,16 +254,36 @@ class RssWatch:
 
 # --------------------------------------------------------------------------- contenders
 
+#: CPU seconds the last contender run used (set by each run_* function).
+CPU_SECONDS: list[float] = []
+
+
+def pool_cpu(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by the worker pool processes."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def run_chkq(run_dir: Path, cluster: Cluster, rss: list[dict[str, int]]) -> float:
     from workers.client import submit_consolidation
 
     (run_dir / f"{MODEL}.h5").unlink(missing_ok=True)
     pids = cluster.pool_pids()
     reset_peaks(pids)
+    before = pool_cpu(pids)
     with RssWatch(pids) as watch:
         start = time.perf_counter()
         output = submit_consolidation(MODEL, run_dir).wait_for_output(timeout=1800)
         elapsed = time.perf_counter() - start
+    CPU_SECONDS.append(pool_cpu(pids) - before)
     assert output == run_dir / f"{MODEL}.h5"
     for pid in pids:
         rss.append({"pid": pid, "idle": watch.idle[pid], "peak": watch.peak[pid]})
@@ -269,9 +296,10 @@ def run_chkq(run_dir: Path, cluster: Cluster, rss: list[dict[str, int]]) -> floa
 def run_serial(files: list[Path], scratch: Path) -> float:
     output = scratch / "serial.h5"
     output.unlink(missing_ok=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     serial_consolidation(files, output)
     elapsed = time.perf_counter() - start
+    CPU_SECONDS.append(time.process_time() - cpu)
     output.unlink()
     return elapsed
 
@@ -281,12 +309,17 @@ def run_cp(run_dir: Path, scratch: Path) -> float:
     shutil.rmtree(target, ignore_errors=True)
     sources = sorted(str(p) for p in run_dir.iterdir() if p.name.startswith(f"{MODEL}_chk"))
     target.mkdir()
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     # Many files: pass them in slices so the argument list stays bounded.
     for i in range(0, len(sources), 500):
         subprocess.run(["cp", "-r", *sources[i:i + 500], str(target)], check=True)
     subprocess.run(["sync"], check=True)
     elapsed = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU_SECONDS.append(after.ru_utime + after.ru_stime - usage.ru_utime - usage.ru_stime)
     shutil.rmtree(target)
     return elapsed
 
@@ -311,7 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default="chkq,serial,cp")
     parser.add_argument("--keep", type=Path, default=None,
                         help="generate runs here (and reuse them if present)")
+    parser.add_argument("--poll-seconds", type=float, default=0.02,
+                        help="how often wait_for_output polls the backend (the client ships "
+                             "with 0.2 s, which adds ~0.1 s on average to every job)")
     args = parser.parse_args(argv)
+    import workers.client
+
+    workers.client.POLL_SECONDS = args.poll_seconds
     runs = [r for r in args.runs.split(",") if r]
     contenders = [c for c in args.contenders.split(",") if c]
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="chkq-bench-")
@@ -323,9 +362,13 @@ def main(argv: list[str] | None = None) -> int:
           f"CHKQ_BLOCK_BYTES={os.environ.get('CHKQ_BLOCK_BYTES', 'default')} "
           f"CHKQ_TASK_BYTES={os.environ.get('CHKQ_TASK_BYTES', 'default')} "
           f"CHKQ_TASK_FILES={os.environ.get('CHKQ_TASK_FILES', 'default')}")
+    print(f"# client polls the result backend every {args.poll_seconds} s "
+          "(workers.client.POLL_SECONDS; shipped default 0.2 s)")
     print("# page cache: WARM for every contender (inputs just written, RAM >> data; "
           "caches are not dropped)", flush=True)
     times: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
+    loads: list[float] = []
     rss: dict[str, list[dict[str, int]]] = {}
     sizes: dict[str, tuple[int, int]] = {}
     try:
@@ -353,28 +396,36 @@ def main(argv: list[str] | None = None) -> int:
                 for rep in range(args.repeat):
                     shift = rep % len(order)
                     for label, fn in order[shift:] + order[:shift]:
+                        load = os.getloadavg()[0]
+                        loads.append(load)
                         elapsed = fn()
                         times.setdefault((name, label), []).append(elapsed)
-                        print(f"#   {name:5s} {label:6s} round {rep + 1}: {elapsed:7.3f} s",
+                        cpus.setdefault((name, label), []).append(CPU_SECONDS[-1])
+                        print(f"#   {name:5s} {label:6s} round {rep + 1}: {elapsed:7.3f} s "
+                              f"(cpu {CPU_SECONDS[-1]:6.2f} s, load avg before {load:.2f})",
                               flush=True)
     finally:
         if tmp is not None:
             tmp.cleanup()
-    report(times, rss, sizes)
+    report(times, cpus, rss, sizes, loads)
     return 0
 
 
-def report(times: dict[tuple[str, str], list[float]], rss: dict[str, list[dict[str, int]]],
-           sizes: dict[str, tuple[int, int]]) -> None:
+def report(times: dict[tuple[str, str], list[float]], cpus: dict[tuple[str, str], list[float]],
+           rss: dict[str, list[dict[str, int]]], sizes: dict[str, tuple[int, int]],
+           loads: list[float]) -> None:
     """Print medians, the bars with their ratios, and peak RSS of the pool processes."""
     med = {key: statistics.median(v) for key, v in times.items()}
     print()
+    print(f"# load average (1 min) before the timed runs: median {statistics.median(loads):.2f}, "
+          f"max {max(loads):.2f} on {os.cpu_count()} CPUs (other users' processes included)")
     print(f"{'run':6s} {'files':>6s} {'MB':>8s} {'contender':10s} {'median s':>9s} "
-          f"{'min s':>8s} {'max s':>8s}  runs")
+          f"{'min s':>8s} {'max s':>8s} {'cpu s':>7s}  runs")
     for (name, label), values in times.items():
         n, size = sizes[name]
         print(f"{name:6s} {n:6d} {size / 1e6:8.1f} {label:10s} {med[name, label]:9.3f} "
-              f"{min(values):8.3f} {max(values):8.3f}  {len(values)}")
+              f"{min(values):8.3f} {max(values):8.3f} "
+              f"{statistics.median(cpus[name, label]):7.2f}  {len(values)}")
     print()
     print(f"{'bar':50s} {'ratio':>7s} {'limit':>6s}  result")
     for name, contender, reference, limit, text in BARS:
@@ -384,7 +435,8 @@ def report(times: dict[tuple[str, str], list[float]], rss: dict[str, list[dict[s
         print(f"{text:50s} {ratio:7.3f} {limit:6.2f}  {'PASS' if ratio <= limit else 'FAIL'}")
     print()
     print("5. peak RSS of each worker pool process (VmHWM, reset before each chkq run), MiB;")
-    print(f"   block size {BLOCK // MiB} MiB (CHKQ_BLOCK_BYTES default); "
+    block = int(os.environ.get("CHKQ_BLOCK_BYTES") or BLOCK)
+    print(f"   block size {block / MiB:g} MiB (CHKQ_BLOCK_BYTES); "
           "'growth' = peak - idle RSS before the job")
     for name, samples in rss.items():
         if not samples:
