@@ -137,9 +137,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.broker_url or "redis://127.0.0.1:6379/0"
     return {
         "broker_url": broker,
+        "broker_transport": "config.broker_transport:Transport",
         "result_backend": settings.result_backend or broker,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": settings.visibility_timeout},
+        "broker_transport_options": settings.broker_transport_options(),
         "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout},
         "task_serializer": "json",
         "result_serializer": "json",

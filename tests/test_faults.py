@@ -141,18 +141,12 @@ def flip_byte(path: Path, dataset: str, keep_mtime: bool) -> None:
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def needs_steady_restore_sweep() -> None:
-    """Scenarios that wait for the visibility timeout need the app to sweep steadily.
-
-    kombu 5.7 by default hands messages past the visibility timeout back only
-    every 100 s (10 s ticks, scanning on every 10th): such a scenario would
-    take minutes. ``Settings.broker_transport_options()`` fixes that once
-    ``config/celery_app.py`` applies it.
-    """
+def test_app_sweeps_for_a_dead_workers_messages_steadily() -> None:
+    """kombu 5.7 by default hands messages past the visibility timeout back only every
+    100 s (10 s ticks, scanning on every 10th); the app scans on every tick."""
     options = app.conf.broker_transport_options or {}
-    if options.get("unacked_restore_throttle") != 1:
-        pytest.xfail("config/celery_app.py does not apply Settings.broker_transport_options(): "
-                     "kombu 5.7 then hands a dead worker's tasks back only every 100 s")
+    assert options.get("unacked_restore_throttle") == 1
+    assert options.get("visibility_timeout") == Settings.from_env().visibility_timeout
 
 
 class Cluster:
@@ -277,7 +271,6 @@ def test_whole_worker_killed_while_copying(make_cluster: Callable[..., Cluster],
     sweep hands it back. The job ends correctly within that bound plus the
     job's own time.
     """
-    needs_steady_restore_sweep()
     cluster = make_cluster()
     cluster.add_workers(2, "control,copy,verify", 1, SLOW)
     run = tmp_path / "run"
@@ -308,21 +301,13 @@ def test_whole_worker_killed_while_copying(make_cluster: Callable[..., Cluster],
 
 
 def _resubmit_after_restart(run: Path) -> Path:
-    """Submit the job again once Redis is back; the workers must have reconnected.
+    """Submit the job again once Redis is back: the workers must have reconnected.
 
-    Known: a worker that held an unacknowledged task when the connection
-    broke can stay alive without consuming (celery 5.7 / kombu 5.7: closing
-    the dead channel restores its unacked messages through a connection that
-    is already gone, ``AttributeError: 'NoneType' object has no attribute
-    'hostname'``, "Unrecoverable error", and the worker never resumes).
+    celery/kombu 5.7 used to leave a worker that held an unacknowledged task
+    alive but consuming nothing after the restart (``'NoneType' object has no
+    attribute 'hostname'``); config/broker_transport.py fixes that.
     """
-    job = submit_consolidation("run", run)
-    try:
-        return job.wait_for_output(timeout=JOB_SECONDS)
-    except TimeoutError:
-        pass
-    pytest.xfail("a worker stopped consuming after the Redis restart (celery/kombu 5.7 "
-                 "'NoneType' object has no attribute 'hostname' on channel close)")
+    return submit_consolidation("run", run).wait_for_output(timeout=JOB_SECONDS)
 
 
 def _kill_redis_mid_copy(cluster: Cluster, job: ConsolidationJob, run: Path) -> None:
@@ -345,7 +330,6 @@ def test_redis_killed_and_restarted_with_persistence(make_cluster: Callable[...,
     handed back instead, the job would complete: either way, never a wrong
     or partial output.) The cluster is usable again at once.
     """
-    needs_steady_restore_sweep()
     cluster = make_cluster(persistent=True)
     cluster.add_workers(1, "control,copy,verify", 2, SLOW)
     run = tmp_path / "run"
