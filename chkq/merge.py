@@ -18,11 +18,15 @@ from chkq.skeleton import create_extensible
 
 
 def merge_parts(plan: Plan) -> int:
-    """Merge every part file into the temporary output and fsync it; return bytes moved.
+    """Merge every part file into the temporary output, fsync it, remove the parts.
 
-    Redoing it is safe: a dataset merged by an earlier, interrupted attempt
-    is replaced.
+    Returns the bytes moved. Idempotent: a marker written once the output is
+    durable (before the parts go) makes a second run do nothing, and a
+    dataset merged by an earlier, interrupted attempt is replaced.
     """
+    job = plan.job
+    if job.merged.exists():
+        return 0
     moved = 0
     part_datasets = [i for i, d in enumerate(plan.datasets) if d.mode != "raw"]
     if part_datasets:
@@ -48,8 +52,12 @@ def merge_parts(plan: Plan) -> int:
                     start = unit.pieces[0][1]
                     with h5py.File(plan.job.part(unit.part), "r") as part:
                         moved += _move_chunks(part["data"], target, start)
-    with open(plan.job.temp, "rb+") as fh:
+    with open(job.temp, "rb+") as fh:
         os.fsync(fh.fileno())
+    job.merged.write_text(str(moved))
+    for unit in plan.copy_units:
+        if unit.part is not None:
+            job.part(unit.part).unlink(missing_ok=True)
     return moved
 
 

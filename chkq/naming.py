@@ -59,6 +59,11 @@ class JobFiles:
         """Marker that the output was linked by this job (holds its inode)."""
         return self.out_dir / f"{self.prefix}.linked"
 
+    @property
+    def merged(self) -> Path:
+        """Marker that the part files are merged and the output is durable."""
+        return self.out_dir / f"{self.prefix}.merged"
+
     def part(self, unit: int) -> Path:
         """Part file written by copy unit ``unit`` for a dataset HDF5 must encode."""
         return self.out_dir / f"{self.prefix}.part{unit:05d}.h5"

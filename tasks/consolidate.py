@@ -138,7 +138,8 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
             "copy_units": len(plan.copy_units),
             "verify_units": len(plan.verify_units),
         }
-        timer.result = {"files": len(plan.files), "rows": plan.total_rows}
+        timer.result = {"files": len(plan.files), "rows": plan.total_rows,
+                        "bytes": sum(d.total * d.row_bytes for d in plan.datasets)}
         launch_copies(plan)
     return summary
 
@@ -169,9 +170,6 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     plan = load_plan(directory, model, job)
     with Timer("chkq.merge", job, model=model) as timer:
         moved = merge_parts(plan)
-        for path in plan.job.temporaries():
-            if ".part" in path.name:
-                path.unlink(missing_ok=True)
         timer.result = {"bytes": moved}
         launch_verification(plan)
     return {"bytes": moved}
@@ -214,7 +212,8 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         record_finished(job, result)
         files.plan.unlink(missing_ok=True)
         discard_job_files(files)
-        timer.result = {"output": output, "rows": plan.total_rows}
+        timer.result = {"output": output, "rows": plan.total_rows,
+                        "bytes": output.stat().st_size}
     return result
 
 

@@ -227,7 +227,6 @@ def test_every_task_logs_one_start_and_one_end_line(
                if kind == "end" and name in ("chkq.copy", "chkq.verify"))
 
 
-@pytest.mark.xfail(strict=True, reason="chkq.plan and chkq.link log rows but no bytes yet")
 def test_plan_and_link_end_lines_carry_bytes(
     cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]],
 ) -> None:
