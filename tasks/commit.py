@@ -9,6 +9,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,30 @@ from config.celery_app import app
 from tasks.base import ChkqTask, Timer
 
 MAX_RETRIES = 30
+#: A parent still being committed is waited for by retries 0.25 s apart at first, then up
+#: to 5 s apart, for about 10 minutes. Clients that know a whole chain send it as a Celery
+#: chain instead (workers.commits.submit_commit_chain), which never waits.
+PARENT_RETRIES = 130
+
+
+#: How long a commit waits in its process for a parent being committed by another one
+#: before it hands the wait to the broker (a retry).
+PARENT_POLL_SECONDS = 2.0
+
+
+def wait_for_parent(log: CheckpointLog, parent: str, seconds: float) -> bool:
+    """Poll the log for ``parent`` for up to ``seconds``; True once it is there."""
+    deadline = time.monotonic() + seconds
+    while parent not in log:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def parent_wait(retries: int) -> float:
+    """Seconds before retrying a commit whose parent is not in the log yet."""
+    return float(min(5.0, 0.25 * 2 ** min(retries, 5)))
 
 
 def _source_bytes(store_url: str, path: str | None, staging_key: str | None) -> bytes:
@@ -45,7 +70,7 @@ def _source_bytes(store_url: str, path: str | None, staging_key: str | None) -> 
     name="chkq.commit",
     bind=True,
     base=ChkqTask,
-    autoretry_for=(TransientStoreError, ParentNotCommittedError, FileChangedError),
+    autoretry_for=(TransientStoreError, FileChangedError),
     retry_backoff=1,
     retry_backoff_max=30,
     retry_jitter=True,
@@ -80,9 +105,16 @@ def commit(
         meta["model"] = model
     log = CheckpointLog(open_store(store_url), run)
     with Timer("chkq.commit", run, store=store_url, source=path or staging_key) as timer:
-        data = _source_bytes(store_url, path, staging_key)
-        record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
-                              label=label, meta=meta or None, expect_id=expect_id)
+        try:
+            if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
+                raise ParentNotCommittedError(
+                    f"parent {parent} is not a checkpoint of run {run!r} (yet)")
+            data = _source_bytes(store_url, path, staging_key)
+            record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
+                                  label=label, meta=meta or None, expect_id=expect_id)
+        except ParentNotCommittedError as exc:
+            raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
+                             max_retries=PARENT_RETRIES) from None
         timer.result = {"id": record.id[:12], "bytes": len(data), "kind": record.kind,
                         "stored": record.stored_size}
     if staging_key is not None:

@@ -47,6 +47,44 @@ def submit_commit(
                          kwargs=kwargs).apply_async()
 
 
+def submit_commit_chain(
+    store_url: str,
+    run: str,
+    paths: list[str | Path],
+    *,
+    parent: str | None = None,
+    first_step: int | None = None,
+    model: str | None = None,
+) -> AsyncResult:
+    """Enqueue the commits of ``paths`` in order, each on the one before, as one Celery chain.
+
+    Each commit is sent only when the one before it finished, so no task waits
+    for its parent. The files are hashed here (read once) to name the parents;
+    the tasks check the bytes they read against those ids. Returns the result
+    of the last commit.
+    """
+    from celery import chain
+
+    from chkq.watcher import file_id
+
+    open_store(store_url)
+    validate_run_id(run)
+    steps = []
+    for index, path in enumerate(paths):
+        source = Path(path).absolute()
+        ident = file_id(source)
+        step = None if first_step is None else first_step + index
+        steps.append(app.signature(
+            "chkq.commit", args=(store_url, run, str(source)),
+            kwargs={"parent": parent, "step": step, "name": source.name, "model": model,
+                    "expect_id": ident},
+            immutable=True))
+        parent = ident
+    if not steps:
+        raise ValueError("no checkpoint files to commit")
+    return chain(*steps).apply_async()
+
+
 def record_of(result: dict[str, Any]) -> CheckpointRecord:
     """The CheckpointRecord a commit task returned (as JSON)."""
     return CheckpointRecord(**result)
