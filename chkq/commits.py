@@ -12,6 +12,7 @@ import os
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from chkq.fsutil import write_durably
 from chkq.log import CheckpointLog, CheckpointRecord, checkpoint_id
 
 
@@ -150,12 +151,6 @@ def restore_run(log: CheckpointLog, out_dir: str | Path, model: str | None = Non
                 continue
             raise FileExistsError(f"{str(target)!r} exists with other content; not overwritten")
         target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.with_name(f".chkq-restore.{target.name}.tmp")
-        with open(temp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.link(temp, target)
-        os.unlink(temp)
+        write_durably(target, data, exclusive=True)
         written.append(target)
     return written

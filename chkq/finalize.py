@@ -13,18 +13,11 @@ import logging
 import os
 from pathlib import Path
 
+from chkq.fsutil import fsync_dir, write_durably
 from chkq.naming import JobFiles
 from chkq.plan import Plan
 
 log = logging.getLogger(__name__)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def link_output(plan: Plan) -> Path:
@@ -48,9 +41,9 @@ def link_output(plan: Plan) -> Path:
                     f"{str(output)!r} appeared while job {plan.job_id} ran; it was left "
                     "untouched and the job's output discarded"
                 ) from None
-        marker.write_text(str(os.stat(output).st_ino))
+        write_durably(marker, str(os.stat(output).st_ino))
         os.unlink(temp)
-        _fsync_dir(job.out_dir)
+        fsync_dir(job.out_dir)
         return output
     if marker.exists() and output.exists() and marker.read_text() == str(os.stat(output).st_ino):
         return output
@@ -85,7 +78,7 @@ def remove_checkpoints(plan: Plan) -> list[str]:
                        f"files ({', '.join(others[:5])})")
             log.warning(message)
             warnings.append(message)
-    _fsync_dir(Path(plan.out_dir))
+    fsync_dir(Path(plan.out_dir))
     return warnings
 
 

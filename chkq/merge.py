@@ -13,6 +13,7 @@ import os
 import h5py
 from h5py import h5o
 
+from chkq.fsutil import write_durably
 from chkq.plan import Plan
 from chkq.skeleton import create_extensible
 
@@ -54,7 +55,7 @@ def merge_parts(plan: Plan) -> int:
                         moved += _move_chunks(part["data"], target, start)
     with open(job.temp, "rb+") as fh:
         os.fsync(fh.fileno())
-    job.merged.write_text(str(moved))
+    write_durably(job.merged, str(moved))
     for unit in plan.copy_units:
         if unit.part is not None:
             job.part(unit.part).unlink(missing_ok=True)

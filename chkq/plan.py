@@ -20,12 +20,12 @@ chunk-aligned row range to a part file. Verification runs per file batch.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
+from chkq.fsutil import write_durably
 from chkq.naming import JobFiles
 from chkq.structure import FileScan, check_same_structure, scan_file
 
@@ -140,13 +140,7 @@ class Plan:
 
     def save(self) -> None:
         """Write the plan atomically (temporary file, fsync, rename)."""
-        path = self.job.plan
-        tmp = path.with_name(path.name + ".new")
-        with open(tmp, "w") as fh:
-            fh.write(self.to_json())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_durably(self.job.plan, self.to_json())
 
 
 def load_plan(out_dir: str | Path, model: str, job_id: str) -> Plan:

@@ -7,13 +7,13 @@ is configured); the other commands read or tidy the store directly.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from chkq.commits import resolve_id, restore_run
+from chkq.fsutil import write_durably
 from chkq.log import DEFAULT_GC_AGE, CheckpointLog, CheckpointRecord
 from chkq.stores import open_store
 
@@ -76,12 +76,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     if str(target) == "-":
         sys.stdout.buffer.write(data)
         return 0
-    temp = target.with_name(f".{target.name}.chkq-pull.tmp")
-    with open(temp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(temp, target)
+    write_durably(target, data)
     print(target)
     return 0
 

@@ -8,20 +8,13 @@ import os
 import uuid
 from pathlib import Path
 
+from chkq.fsutil import fsync_dir
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
 __all__ = ["LocalDirectoryStore"]
 
 TMP_DIR = ".chkq-tmp"
 """Top-level directory holding in-flight writes; never listed, never a valid key."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LocalDirectoryStore(CheckpointStore):
@@ -89,7 +82,7 @@ class LocalDirectoryStore(CheckpointStore):
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         target = self._path(key)
@@ -105,7 +98,7 @@ class LocalDirectoryStore(CheckpointStore):
             raise
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         return True
 
     def _get(self, key: str) -> bytes:
