@@ -84,3 +84,14 @@ def _bytes(value: object) -> bytes:
     if array.dtype.hasobject:
         return repr(array.tolist()).encode()
     return array.tobytes()
+
+
+def corrupt_chunk(path: Path, dataset: str) -> None:
+    """Flip a byte inside the first stored chunk of ``dataset`` (a real on-disk fault)."""
+    with h5py.File(path, "r") as f:
+        info = f[dataset].id.get_chunk_info(0)
+    with open(path, "r+b") as fh:
+        fh.seek(info.byte_offset + info.size // 2)
+        byte = fh.read(1)
+        fh.seek(info.byte_offset + info.size // 2)
+        fh.write(bytes([byte[0] ^ 0xFF]))

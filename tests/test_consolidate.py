@@ -18,7 +18,7 @@ from chkq.plan import load_plan
 from config.celery_app import app
 from config.routing import VERIFY_QUEUE
 from tasks.consolidate import task_id
-from tests.helpers import assert_consolidated, snapshot
+from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 from tests.plugins.cluster import WorkerProcess
 from workers.client import ConsolidationJob, submit_consolidation
 
@@ -259,22 +259,11 @@ def test_output_created_while_the_job_runs(tmp_path: Path, worker: WorkerProcess
     assert after == before
 
 
-def _corrupt_chunk(path: Path, dataset: str) -> None:
-    """Flip a byte inside the first stored chunk of ``dataset`` (a real on-disk fault)."""
-    with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(0)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + info.size // 2)
-        byte = fh.read(1)
-        fh.seek(info.byte_offset + info.size // 2)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_copy_task_failing_midway_fails_the_job_cleanly(tmp_path: Path) -> None:
     """A checksummed chunk of the last file is corrupt: the copy fails after others."""
     shape = RunShape(checkpoints=4, trials=600, fletcher32=True, chunk_rows=64)
     make_run(tmp_path, "run", shape)
-    _corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
+    corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
     before = snapshot(tmp_path)
     with pytest.raises(Exception, match=r"(?i)checksum|fletcher|filter|read"):
         consolidate(tmp_path)

@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import h5py
 import pytest
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import assert_consolidated, snapshot
+from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 from workers.broker import PrivateRedis, free_port
 
 CLI = [sys.executable, "-m", "workers.cli"]
@@ -251,17 +250,6 @@ def test_status_lists_recent_jobs(
     assert re.search(r"copy\s+\d+ tasks: \d+ done", shown.stdout), shown.stdout
 
 
-def _corrupt_chunk(path: Path, dataset: str) -> None:
-    """Flip a byte inside the first stored chunk of ``dataset`` (a real on-disk fault)."""
-    with h5py.File(path, "r") as f:
-        info = f[dataset].id.get_chunk_info(0)
-    with open(path, "r+b") as fh:
-        fh.seek(info.byte_offset + info.size // 2)
-        byte = fh.read(1)
-        fh.seek(info.byte_offset + info.size // 2)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_status_names_the_failing_plan_and_its_error(cluster: Cluster, tmp_path: Path) -> None:
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=50))
     (tmp_path / "run_chk00003.h5").write_bytes(b"this is not HDF5\n" * 10)
@@ -282,7 +270,7 @@ def test_status_names_the_failing_copy_task_and_its_error(cluster: Cluster,
                                                           tmp_path: Path) -> None:
     make_run(tmp_path, "run", RunShape(checkpoints=4, trials=600, fletcher32=True,
                                        chunk_rows=64))
-    _corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
+    corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
     before = snapshot(tmp_path)
     job, state = _run_job(cluster, tmp_path)
     assert state["state"] == "FAILURE", state
