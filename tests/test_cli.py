@@ -73,7 +73,8 @@ def test_usage_errors_exit_2_and_version() -> None:
 
 def test_progress_is_shown_on_a_terminal(tmp_path: Path) -> None:
     """On a terminal, stderr carries a self-rewriting line of rows copied/verified."""
-    make_run(tmp_path, "run", RunShape(checkpoints=4, writers=2, trials=2000, spec_columns=256))
+    make_run(tmp_path, "run", RunShape(checkpoints=4, writers=2, trials=2000, spec_columns=256,
+                                       compression="gzip", shuffle=True))
     primary, secondary = os.openpty()
     try:
         env = {k: v for k, v in os.environ.items()

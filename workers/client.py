@@ -29,7 +29,8 @@ from tasks.base import PROGRESS
 from tasks.consolidate import consolidation_signature, root_cause, task_id
 from tasks.jobs import finished_result, job_info, record_submitted
 
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.05
+PROGRESS_SECONDS = 0.25
 
 #: How long ``wait_for_output`` rides out a broker it cannot reach (a Redis restart).
 OUTAGE_GRACE_SECONDS = 120.0
@@ -66,6 +67,7 @@ class ConsolidationJob(AsyncResult):
     """
 
     files: JobFiles | None = None
+    _progress_shown = 0.0
 
     def _plan_summary(self) -> dict[str, Any] | None:
         plan = AsyncResult(task_id(self.id, "plan"), app=self.app)
@@ -153,7 +155,9 @@ class ConsolidationJob(AsyncResult):
                 + (f" and its {len(removed)} temporary files were removed" if removed else "")
                 + ": submit it again"
             )
-        if on_progress is not None:
+        now = time.monotonic()
+        if on_progress is not None and now - self._progress_shown >= PROGRESS_SECONDS:
+            self._progress_shown = now
             on_progress(self.progress)
         return False
 
