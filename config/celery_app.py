@@ -15,6 +15,7 @@ from typing import Any
 from celery import Celery
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
+from kombu import pools as kombu_pools
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import prepare_accept_content
 from kombu.utils.encoding import safe_repr
@@ -177,7 +178,12 @@ def make_app(settings: Settings | None = None) -> Celery:
 
 
 def use_broker(celery: Celery, url: str) -> None:
-    """Point ``celery`` (broker and backend) at ``url``, e.g. an embedded broker."""
+    """Point ``celery`` (broker and backend) at ``url``, e.g. an embedded broker.
+
+    Connections and producers to the previous broker are closed, including
+    kombu's process-wide producer pools, which are keyed by broker URL and
+    would otherwise hand back a closed pool when an earlier URL is used again.
+    """
     celery.conf.broker_url = url
     celery.conf.result_backend = url
     celery._backend_cache = None
@@ -186,6 +192,7 @@ def use_broker(celery: Celery, url: str) -> None:
         celery._pool.force_close_all()
         celery._pool = None
     celery.amqp._producer_pool = None
+    kombu_pools.reset()
 
 
 settings = Settings.from_env()
