@@ -8,7 +8,7 @@ up into the command line for their configuration.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MiB = 1024 * 1024
@@ -68,6 +68,10 @@ class Settings:
         Deliveries of one task message after which it is failed instead of
         run again (``CHKQ_MAX_REDELIVERIES``): a task that keeps killing its
         worker must not loop forever.
+    allowed_roots
+        Directories tasks may touch (``CHKQ_ALLOWED_ROOTS``, separated by
+        ``:``); empty allows any. Set it in deployments: task messages are
+        untrusted input.
     """
 
     broker_url: str | None = None
@@ -81,7 +85,7 @@ class Settings:
     restore_interval: int = 0
     result_expires: int = 7 * 24 * 3600
     max_redeliveries: int = 3
-    extra: dict[str, str] = field(default_factory=dict)
+    allowed_roots: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -99,6 +103,8 @@ class Settings:
             restore_interval=_int("CHKQ_RESTORE_INTERVAL", cls.restore_interval),
             result_expires=_int("CHKQ_RESULT_EXPIRES", cls.result_expires),
             max_redeliveries=_int("CHKQ_MAX_REDELIVERIES", cls.max_redeliveries),
+            allowed_roots=tuple(
+                p for p in os.environ.get("CHKQ_ALLOWED_ROOTS", "").split(os.pathsep) if p),
         )
         settings.check()
         return settings

@@ -13,7 +13,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from chkq.access import check_allowed
 from chkq.commits import (
     FileChangedError,
     ParentNotCommittedError,
@@ -23,7 +25,7 @@ from chkq.commits import (
 )
 from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError, open_store
-from config.celery_app import app
+from config.celery_app import app, settings
 from tasks.base import ChkqTask, Timer
 
 MAX_RETRIES = 30
@@ -59,6 +61,7 @@ def _source_bytes(store_url: str, path: str | None, staging_key: str | None) -> 
     if path is not None:
         if not Path(path).is_absolute():
             raise ValueError(f"commit path {path!r} must be absolute (shared storage)")
+        check_allowed(path, settings.allowed_roots)
         if not Path(path).is_file():
             raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
         return read_stable(path)
@@ -103,6 +106,8 @@ def commit(
         meta["name"] = check_relative_name(name)
     if model is not None:
         meta["model"] = model
+    if urlsplit(store_url).scheme == "file":
+        check_allowed(urlsplit(store_url).path, settings.allowed_roots)
     log = CheckpointLog(open_store(store_url), run)
     with Timer("chkq.commit", run, store=store_url, source=path or staging_key) as timer:
         try:

@@ -29,6 +29,7 @@ from celery import chord, group, signature
 from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 
+from chkq.access import check_allowed
 from chkq.copy_rows import copy_unit
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
@@ -55,6 +56,7 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     """Validate a message's arguments before any file is touched."""
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
         raise ValueError(f"output directory {out_dir!r} must be an absolute path")
+    check_allowed(out_dir, settings.allowed_roots)
     return check_out_dir(out_dir), check_model_name(model), check_job_id(job)
 
 

@@ -14,6 +14,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,15 @@ def start_worker(redis_server: PrivateRedis, tmp_path: Path) -> Iterator[object]
     yield start
     for process in started:
         process.stop()
+
+
+@contextmanager
+def consumers_paused(worker: WorkerProcess, *queues: str) -> Iterator[None]:
+    """``worker`` stops taking tasks from ``queues`` for a while (Celery remote control)."""
+    for queue in queues:
+        app.control.cancel_consumer(queue, destination=[worker.name], reply=True)
+    try:
+        yield
+    finally:
+        for queue in queues:
+            app.control.add_consumer(queue, destination=[worker.name], reply=True)
