@@ -32,6 +32,7 @@ def test_quick_start_on_the_embedded_cluster(tmp_path: Path) -> None:
     done = run("consolidate", "demo", "--out-dir", str(tmp_path), "--workers", "2")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "demo.h5")
+    assert done.stderr == "", "a successful run prints nothing but the output path"
     files = sorted(tmp_path.glob("demo_chk*/*.h5"))
     assert_consolidated(tmp_path / "demo.h5", files)
 
@@ -128,3 +129,19 @@ except FileNotFoundError as exc:
                           text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert "FileExistsError" in done.stdout and "FileNotFoundError" in done.stdout
+
+
+@pytest.mark.slow
+def test_embedded_cluster_without_redis_server_uses_fakeredis(tmp_path: Path) -> None:
+    """No redis-server on PATH: the embedded broker is fakeredis's TCP server (slower)."""
+    make_run(tmp_path, "run", RunShape(checkpoints=2, writers=2, trials=20))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
+    env["PATH"] = str(tmp_path / "empty-path")
+    done = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "consolidate", "run", "--out-dir", str(tmp_path),
+         "--workers", "1"], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "run.h5")
+    assert done.stderr == ""
+    assert_consolidated(tmp_path / "run.h5", sorted(tmp_path.glob("run_chk*/*.h5")))
