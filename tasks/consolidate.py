@@ -60,6 +60,13 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     return check_out_dir(out_dir), check_model_name(model), check_job_id(job)
 
 
+def _job_plan(task: ChkqTask, out_dir: str, model: str, job: str) -> Plan:
+    """Check a message's arguments, count its delivery, and read its job's plan."""
+    directory, model, job = _checked(out_dir, model, job)
+    task.check_deliveries()
+    return load_plan(directory, model, job)
+
+
 def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
     """``unit`` if it is an int naming one of the job's ``count`` units, else ValueError."""
     if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < count:
@@ -150,9 +157,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
 def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
          **what: Any) -> dict[str, Any]:
     """Copy one unit of rows into the output (raw chunks or a part file)."""
-    directory, model, job = _checked(out_dir, model, job)
-    self.check_deliveries()
-    plan = load_plan(directory, model, job)
+    plan = _job_plan(self, out_dir, model, job)
     unit = _checked_unit(unit, len(plan.copy_units), job, "copy")
     total = describe_unit(plan, unit)["rows"]
     datasets = ",".join(what.get("datasets", []))
@@ -167,9 +172,7 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
 @app.task(name="chkq.merge", bind=True, base=ChkqTask)
 def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     """Move part files into the output, make it durable, launch verification."""
-    directory, model, job = _checked(out_dir, model, job)
-    self.check_deliveries()
-    plan = load_plan(directory, model, job)
+    plan = _job_plan(self, out_dir, model, job)
     with Timer("chkq.merge", job, model=model) as timer:
         moved = merge_parts(plan)
         timer.result = {"bytes": moved}
@@ -181,9 +184,7 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
 def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
            **what: Any) -> dict[str, Any]:
     """Read back the output rows of a batch of files and compare them with the files."""
-    directory, model, job = _checked(out_dir, model, job)
-    self.check_deliveries()
-    plan = load_plan(directory, model, job)
+    plan = _job_plan(self, out_dir, model, job)
     unit = _checked_unit(unit, len(plan.verify_units), job, "verify")
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
