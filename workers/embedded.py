@@ -35,6 +35,19 @@ def worker_command(concurrency: int, queues: list[str], name: str,
     ]
 
 
+def drop_result_subscriptions() -> None:
+    """Close the client's result subscriptions while its broker still answers.
+
+    Celery subscribes to a task's result when it sends it and unsubscribes
+    when the AsyncResult is collected, which may be after the broker is
+    gone: the unsubscription would then fail noisily at exit.
+    """
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.subscribed_to.clear()
+        consumer.stop()
+
+
 class EmbeddedCluster:
     """A private Redis and one worker with ``workers`` processes, for a ``with`` block."""
 
@@ -77,18 +90,6 @@ class EmbeddedCluster:
             time.sleep(0.05)
         return result.get()
 
-    def _drop_result_subscriptions(self) -> None:
-        """Close the client's result subscriptions while the private broker still answers.
-
-        Celery subscribes to a task's result when it sends it and unsubscribes
-        when the AsyncResult is collected, which may be after the broker is
-        gone: the unsubscription would then fail noisily at exit.
-        """
-        consumer = getattr(app.backend, "result_consumer", None)
-        if consumer is not None:
-            consumer.subscribed_to.clear()
-            consumer.stop()
-
     def __exit__(self, *exc: object) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -97,6 +98,6 @@ class EmbeddedCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        self._drop_result_subscriptions()
+        drop_result_subscriptions()
         self.broker.close()
         self._logdir.cleanup()

@@ -21,6 +21,7 @@ import pytest
 
 from config.celery_app import app, use_broker
 from workers.broker import PrivateRedis
+from workers.embedded import drop_result_subscriptions
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +33,7 @@ def redis_server() -> Iterator[PrivateRedis]:
         os.environ["CHKQ_RESULT_BACKEND"] = server.url
         use_broker(app, server.url)
         yield server
+        drop_result_subscriptions()
 
 
 class WorkerProcess:
