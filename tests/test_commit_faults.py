@@ -17,9 +17,10 @@ from celery.result import AsyncResult
 
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
-from tests.plugins.cluster import WorkerProcess
+from config.routing import COMMIT_QUEUE
+from tests.plugins.cluster import WorkerProcess, consumers_paused
 from tests.plugins.object_stores import BUCKET, FaultProxy
-from tests.test_log_tasks import checkpoint_series, commits_paused, payload_keys
+from tests.test_log_tasks import checkpoint_series, payload_keys
 from workers.commits import record_of, submit_commit, submit_commit_chain
 
 TIMEOUT = 180
@@ -49,7 +50,7 @@ def test_lost_response_to_a_conditional_put(tmp_path: Path, worker: WorkerProces
     files = checkpoint_series(tmp_path / "run", 3, size=128 * 1024)
     prefix = f"t-lost-{which}-{os.getpid()}"
     url = f"s3://{BUCKET}/{prefix}"
-    with commits_paused(worker):
+    with consumers_paused(worker, COMMIT_QUEUE):
         start_worker("commit", concurrency=1, env=s3_env(s3_proxy))  # type: ignore[operator]
         record_of(submit_commit(url, "r1", files[0], name="a").get(timeout=TIMEOUT))
         s3_proxy.lose_next_response(f"PUT /{BUCKET}/{prefix}/runs/r1/{which}/".encode())
@@ -71,7 +72,7 @@ def test_s3_409_conditional_conflict_is_retried(tmp_path: Path, worker: WorkerPr
     body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>ConditionalRequestConflict"
             b"</Code><Message>A conflicting conditional operation is in progress</Message>"
             b"</Error>")
-    with commits_paused(worker):
+    with consumers_paused(worker, COMMIT_QUEUE):
         start_worker("commit", concurrency=1, env=s3_env(s3_proxy))  # type: ignore[operator]
         s3_proxy.answer_next(
             f"PUT /{BUCKET}/{prefix}/runs/r1/records/".encode(),

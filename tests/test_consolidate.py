@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
@@ -15,11 +13,10 @@ import pytest
 
 from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.plan import load_plan
-from config.celery_app import app
 from config.routing import VERIFY_QUEUE
 from tasks.consolidate import task_id
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
-from tests.plugins.cluster import WorkerProcess
+from tests.plugins.cluster import WorkerProcess, consumers_paused
 from workers.client import ConsolidationJob, submit_consolidation
 
 SLUG = Path(__file__).resolve().parents[2] / "shared" / "data" / "QHIFUVstats.h5"
@@ -233,21 +230,11 @@ def state_of(job: ConsolidationJob, step: str, unit: int | None = None) -> str:
     return AsyncResult(task_id(job.id, step, unit), app=job.app).state
 
 
-@contextmanager
-def verification_paused(worker: WorkerProcess) -> Iterator[None]:
-    """The session worker stops taking verify tasks for a while (Celery remote control)."""
-    app.control.cancel_consumer(VERIFY_QUEUE, destination=[worker.name], reply=True)
-    try:
-        yield
-    finally:
-        app.control.add_consumer(VERIFY_QUEUE, destination=[worker.name], reply=True)
-
-
 def test_output_created_while_the_job_runs(tmp_path: Path, worker: WorkerProcess) -> None:
     """The output appears between copy and link: FileExistsError, nothing else touched."""
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=50))
     before = snapshot(tmp_path)
-    with verification_paused(worker):
+    with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
         (tmp_path / "run.h5").write_bytes(b"someone else's")
@@ -274,7 +261,7 @@ def test_verify_finds_a_corrupted_row(tmp_path: Path, worker: WorkerProcess) -> 
     """The output is damaged between copy and verify: the job fails naming the row."""
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=400))
     before = snapshot(tmp_path)
-    with verification_paused(worker):
+    with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
         plan = load_plan(tmp_path, "run", job.id)

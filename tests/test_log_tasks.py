@@ -6,8 +6,6 @@ import hashlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from config.celery_app import app
 from config.routing import COMMIT_QUEUE
-from tests.plugins.cluster import WorkerProcess
+from tests.plugins.cluster import WorkerProcess, consumers_paused
 from workers.commits import record_of, submit_commit
 
 TIMEOUT = 120
@@ -92,16 +90,6 @@ def test_commit_refuses_a_relative_or_missing_path(tmp_path: Path, worker: Worke
         submit_commit(url, "../escape", tmp_path / "x")
 
 
-@contextmanager
-def commits_paused(worker: WorkerProcess) -> Iterator[None]:
-    """The session worker (which has no S3 credentials) leaves commit tasks alone."""
-    app.control.cancel_consumer(COMMIT_QUEUE, destination=[worker.name], reply=True)
-    try:
-        yield
-    finally:
-        app.control.add_consumer(COMMIT_QUEUE, destination=[worker.name], reply=True)
-
-
 def test_commit_to_s3_through_a_briefly_unreachable_endpoint(
     tmp_path: Path, worker: WorkerProcess, start_worker: object, s3_proxy: object
 ) -> None:
@@ -113,7 +101,7 @@ def test_commit_to_s3_through_a_briefly_unreachable_endpoint(
     from tests.plugins.object_stores import BUCKET
 
     url = f"s3://{BUCKET}/t-{os.getpid()}-{tmp_path.name}"
-    with commits_paused(worker):
+    with consumers_paused(worker, COMMIT_QUEUE):
         start_worker("commit", concurrency=1, env=env)  # type: ignore[operator]
         first = submit_commit(url, "r1", paths[0], name=paths[0].name)
         record_of(first.get(timeout=TIMEOUT))
