@@ -7,14 +7,14 @@ receive only the job's directory, model and id, plus a unit number.
 
 Cutting the work
 ----------------
-Files are taken in order in batches of at most ``task_bytes`` of rows and
-``task_files`` files. A batch is one copy unit covering every dataset that
-chkq writes as raw bytes, so a task opens each file once whatever the
-number of datasets; a batch larger than ``task_bytes`` (a big file) is cut
-per dataset and then into row ranges, so a big dataset is copied in
-parallel. A dataset HDF5 must encode (compressed, checksummed, or of
-variable length) is copied by units of its own, each writing one
-chunk-aligned row range to a part file. Verification runs per file batch.
+There is one copy task per extensible dataset, a large dataset cut further
+into chunk-aligned row ranges of about ``task_bytes``. A dataset HDF5 must
+encode (compressed, checksummed, or of variable length) writes each range
+to a part file. A run of more than ``task_files`` files (thousands of small
+ones) is copied by batches of files instead, each task covering every
+dataset chkq writes as raw bytes, so that no file is opened once per
+dataset. Verification runs per file, small files batched up to
+``task_bytes`` and ``task_files``.
 """
 
 from __future__ import annotations
@@ -218,45 +218,48 @@ def split_rows(start: int, stop: int, step: int, align: int) -> list[tuple[int, 
     return [(a, b) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
 
+def dataset_ranges(d: DatasetPlan, task_bytes: int) -> list[tuple[int, int]]:
+    """A dataset's rows cut into chunk-aligned ranges of about ``task_bytes``."""
+    return split_rows(0, d.total, task_bytes // max(d.row_bytes, 1), d.chunk[0]) if d.total else []
+
+
+def file_batch_units(
+    datasets: list[DatasetPlan], raw: list[int], n_files: int, task_bytes: int, task_files: int
+) -> list[CopyUnit]:
+    """Raw-mode copy units for runs of many files: each a batch of files, all datasets."""
+    units: list[CopyUnit] = []
+    sizes = [sum((datasets[i].offsets[f + 1] - datasets[i].offsets[f]) * datasets[i].row_bytes
+                 for i in raw) for f in range(n_files)]
+    for first, stop in file_batches(sizes, task_bytes, task_files):
+        pieces = [[i, datasets[i].offsets[first], datasets[i].offsets[stop]] for i in raw]
+        pieces = [p for p in pieces if p[2] > p[1]]
+        if sum(sizes[first:stop]) <= task_bytes:
+            units += [CopyUnit(pieces)] if pieces else []
+            continue
+        small = [p for p in pieces if (p[2] - p[1]) * datasets[p[0]].row_bytes <= task_bytes // 4]
+        units += [CopyUnit(small)] if small else []
+        for i, a, b in (p for p in pieces if p not in small):
+            d = datasets[i]
+            units += [CopyUnit([[i, lo, hi]])
+                      for lo, hi in split_rows(a, b, task_bytes // max(d.row_bytes, 1), d.chunk[0])]
+    return units
+
+
 def cut_copy_units(
     datasets: list[DatasetPlan], n_files: int, task_bytes: int, task_files: int
 ) -> list[CopyUnit]:
     """Cut the copy into units as the module docstring says."""
-    units: list[CopyUnit] = []
     raw = [i for i, d in enumerate(datasets) if d.mode == "raw"]
-    sizes = [
-        sum((datasets[i].offsets[f + 1] - datasets[i].offsets[f]) * datasets[i].row_bytes
-            for i in raw)
-        for f in range(n_files)
-    ]
-    for first, stop in file_batches(sizes, task_bytes, task_files):
-        batch_bytes = sum(sizes[first:stop])
-        if batch_bytes <= task_bytes:
-            pieces = [[i, datasets[i].offsets[first], datasets[i].offsets[stop]] for i in raw]
-            pieces = [p for p in pieces if p[2] > p[1]]
-            if pieces:
-                units.append(CopyUnit(pieces))
-            continue
-        small: list[list[int]] = []
-        small_bytes = 0
-        for i in raw:
-            d = datasets[i]
-            a, b = d.offsets[first], d.offsets[stop]
-            if (b - a) * d.row_bytes <= task_bytes // 4:
-                if b > a:
-                    small.append([i, a, b])
-                    small_bytes += (b - a) * d.row_bytes
-                continue
-            for lo, hi in split_rows(a, b, task_bytes // max(d.row_bytes, 1), d.chunk[0]):
-                units.append(CopyUnit([[i, lo, hi]]))
-        if small:
-            units.append(CopyUnit(small))
+    if n_files > task_files:
+        units = file_batch_units(datasets, raw, n_files, task_bytes, task_files)
+    else:
+        units = [CopyUnit([[i, lo, hi]]) for i in raw
+                 for lo, hi in dataset_ranges(datasets[i], task_bytes)]
     for i, d in enumerate(datasets):
         if d.mode == "raw":
             continue
-        step = task_bytes // max(d.row_bytes, 1) if d.mode == "chunks" else d.total
-        ranges = split_rows(0, d.total, step, d.chunk[0]) if d.total else [(0, 0)]
-        for lo, hi in ranges:
+        ranges = dataset_ranges(d, task_bytes) if d.mode == "chunks" else [(0, d.total)]
+        for lo, hi in ranges or [(0, 0)]:
             units.append(CopyUnit([[i, lo, hi]], part=len(units)))
     return units
 
