@@ -64,6 +64,10 @@ class JobFiles:
         """Marker that the part files are merged and the output is durable."""
         return self.out_dir / f"{self.prefix}.merged"
 
+    def digests(self, unit: int) -> Path:
+        """SHA-256 digests of the source rows copy unit ``unit`` wrote to its part file."""
+        return self.out_dir / f"{self.prefix}.digest{unit:05d}.json"
+
     def part(self, unit: int) -> Path:
         """Part file written by copy unit ``unit`` for a dataset HDF5 must encode."""
         return self.out_dir / f"{self.prefix}.part{unit:05d}.h5"

@@ -7,6 +7,8 @@ raw bytes, so NaNs in the same places (with the same bits) are equal.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -95,6 +97,37 @@ def window_rows(plan: Plan, first: int, stop: int) -> dict[int, int]:
             for i in sizes}
 
 
+Digests = dict[int, list[tuple[int, int, str]]]
+
+
+def load_digests(plan: Plan) -> dict[int, Digests]:
+    """SHA-256 digests taken while copying, by dataset and file, for ``chunks`` datasets.
+
+    A dataset is listed only if every one of its copy units left its digests;
+    the others are compared with their sources directly.
+    """
+    found: dict[int, Digests] = {}
+    incomplete: set[int] = set()
+    for unit in plan.copy_units:
+        index = unit.pieces[0][0]
+        if unit.part is None or plan.datasets[index].mode != "chunks":
+            continue
+        try:
+            entries = json.loads(plan.job.digests(unit.part).read_text())
+        except (FileNotFoundError, ValueError):
+            incomplete.add(index)
+            continue
+        by_file = found.setdefault(index, {})
+        for file_index, start, stop, digest in entries:
+            by_file.setdefault(int(file_index), []).append((int(start), int(stop), str(digest)))
+    for index in incomplete:
+        found.pop(index, None)
+    for by_file in found.values():
+        for entries in by_file.values():
+            entries.sort()
+    return found
+
+
 def verify_files(
     plan: Plan, first: int, stop: int, progress: Progress | None = None
 ) -> VerifyStats:
@@ -118,8 +151,10 @@ def verify_files(
                  and outputs[i].get_type().get_size() == outputs[i].get_type().dtype.itemsize
                  for i in range(len(plan.datasets))]
         capacity = window_rows(plan, first, stop)
+        digests = load_digests(plan)
         windows = {i: OutputWindow(outputs[i], d, capacity[i], d.offsets[stop])
-                   for i, d in enumerate(plan.datasets) if plain[i] and d.total}
+                   for i, d in enumerate(plan.datasets)
+                   if plain[i] and d.total and i not in digests}
         sources = {i: np.empty_like(w.buffer) for i, w in windows.items()}
         high_level = None
         for file_index in range(first, stop):
@@ -132,7 +167,10 @@ def verify_files(
                     if end == start:
                         continue
                     dsid = h5d.open(fid, d.name.encode())
-                    if i in windows:
+                    if i in digests:
+                        _compare_digests(plan, d, file_index, digests[i].get(file_index, []),
+                                         h5py.Dataset(outputs[i]), h5py.Dataset(dsid), path)
+                    elif i in windows:
                         _compare_plain(d, dsid, windows[i], sources[i], start, end, path)
                     else:
                         if high_level is None:
@@ -171,6 +209,39 @@ def _compare_plain(d: DatasetPlan, dsid: h5d.DatasetID, window: OutputWindow,
         if not same_bytes(expected, actual):
             bad = first_difference(expected, actual) or 0
             _mismatch(d, lo + bad, lo - start + bad, path)
+
+
+def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
+                     entries: list[tuple[int, int, str]], output: h5py.Dataset,
+                     source: h5py.Dataset, path: object) -> None:
+    """Check the output rows of one file against the digests taken while copying them.
+
+    On a mismatch the rows are compared with the source directly, to name
+    the first row that differs.
+    """
+    start, end = d.rows_of(file_index)
+    covered = [(a, b) for a, b, _ in entries]
+    if not covered or covered[0][0] != start or covered[-1][1] != end or any(
+            x[1] != y[0] for x, y in zip(covered, covered[1:], strict=False)):
+        raise OutputMismatchError(
+            f"the digests of dataset {d.name!r} do not cover the rows of checkpoint file "
+            f"{str(path)!r}: its copy is incomplete")
+    step = block_rows(d.row_bytes, plan.block_bytes // 2)
+    for a, b, expected in entries:
+        digest = hashlib.sha256()
+        for lo in range(a, b, step):
+            digest.update(as_bytes(read_rows(output, lo, min(b, lo + step))))
+        if digest.hexdigest() == expected:
+            continue
+        for lo in range(a, b, step):
+            hi = min(b, lo + step)
+            bad = first_difference(read_rows(source, lo - start, hi - start),
+                                   read_rows(output, lo, hi))
+            if bad is not None:
+                _mismatch(d, lo + bad, lo - start + bad, path)
+        raise OutputMismatchError(
+            f"rows {a} to {b - 1} of dataset {d.name!r} in the output do not match the digest "
+            f"of checkpoint file {str(path)!r} taken while copying")
 
 
 def _compare_objects(plan: Plan, d: DatasetPlan, source: h5py.Dataset, output: h5py.Dataset,

@@ -284,3 +284,23 @@ def test_job_files_never_match_the_checkpoint_pattern(tmp_path: Path) -> None:
         assert not pattern.fullmatch(path.name)
         assert path.name != "run.h5"
     assert os.path.dirname(job.temp) == str(tmp_path)
+
+
+def test_verify_finds_a_changed_row_in_compressed_data(tmp_path: Path,
+                                                       worker: WorkerProcess) -> None:
+    """gzip data is verified against digests taken while copying; a row changed in the
+    output between copy and verify fails the job naming the row and the file."""
+    make_run(tmp_path, "run", RunShape(checkpoints=3, trials=500, compression="gzip",
+                                       shuffle=True, chunk_rows=100))
+    before = snapshot(tmp_path)
+    with consumers_paused(worker, VERIFY_QUEUE):
+        job = submit_consolidation("run", tmp_path)
+        wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
+        plan = load_plan(tmp_path, "run", job.id)
+        assert any(p.name.startswith(f".chkq-{job.id}") and ".digest" in p.name
+                   for p in tmp_path.iterdir())
+        with h5py.File(plan.job.temp, "r+") as out:
+            out["galaxy/trial"][1234] = 7
+    with pytest.raises(ValueError, match=r"row 1234 of dataset 'galaxy/trial'.*run_chk00003.h5"):
+        job.wait_for_output(timeout=TIMEOUT)
+    assert snapshot(tmp_path) == before
