@@ -97,6 +97,20 @@ def validate_key(key: str) -> str:
     return key
 
 
+def bucket_prefix(prefix: str) -> str:
+    """A bucket store's key prefix as given in its URL, as ``"a/b/"`` (or ``""``).
+
+    Raises
+    ------
+    InvalidKeyError
+        Under the key rules, for the prefix without its surrounding ``/``.
+    """
+    prefix = prefix.strip("/")
+    if prefix:
+        validate_key(prefix)
+    return prefix + "/" if prefix else ""
+
+
 def validate_prefix(prefix: str) -> str:
     """Return ``prefix`` unchanged if it is a valid listing prefix.
 

@@ -17,8 +17,8 @@ from google.cloud import storage
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
+    bucket_prefix,
     retry_transient,
-    validate_key,
 )
 
 __all__ = ["GCSStore"]
@@ -106,11 +106,8 @@ class GCSStore(CheckpointStore):
     ) -> None:
         if not bucket:
             raise ValueError("GCSStore needs a bucket name")
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
         self._bucket_name = bucket
-        self._prefix = prefix + "/" if prefix else ""
+        self._prefix = bucket_prefix(prefix)
         self.page_size = page_size
         self.attempts = attempts
         self._client = client if client is not None else _make_client(project)

@@ -22,8 +22,8 @@ from botocore.exceptions import (
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
+    bucket_prefix,
     retry_transient,
-    validate_key,
 )
 
 __all__ = ["S3Store"]
@@ -135,11 +135,8 @@ class S3Store(CheckpointStore):
     ) -> None:
         if not bucket:
             raise ValueError("S3Store needs a bucket name")
-        prefix = prefix.strip("/")
-        if prefix:
-            validate_key(prefix)
         self._bucket = bucket
-        self._prefix = prefix + "/" if prefix else ""
+        self._prefix = bucket_prefix(prefix)
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
         self.page_size = page_size
