@@ -12,8 +12,12 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from chkq import __version__
+
+if TYPE_CHECKING:
+    from workers.client import Progress
 
 #: Modules that add subcommands: each has ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
@@ -24,27 +28,26 @@ COMMAND_MODULES: tuple[str, ...] = (
 class ProgressLine:
     """One self-rewriting line of progress on a terminal; silent elsewhere."""
 
-    def __init__(self, stream: object = sys.stderr) -> None:
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
         self.stream = stream
-        self.enabled = bool(getattr(stream, "isatty", lambda: False)())
+        self.enabled = stream.isatty()
         self.width = 0
 
-    def __call__(self, progress: object) -> None:
+    def __call__(self, progress: Progress) -> None:
         if not self.enabled:
             return
-        p = progress
-        total = getattr(p, "total", 0) or 0
+        total = progress.total
         if total:
-            line = (f"{p.phase}: copied {p.copied:,}/{total:,} rows, "  # type: ignore[attr-defined]
-                    f"verified {p.verified:,}/{total:,} rows")  # type: ignore[attr-defined]
+            line = (f"{progress.phase}: copied {progress.copied:,}/{total:,} rows, "
+                    f"verified {progress.verified:,}/{total:,} rows")
         else:
-            line = f"{getattr(p, 'phase', '')}..."
+            line = f"{progress.phase}..."
         self.width = max(self.width, len(line))
-        print("\r" + line.ljust(self.width), end="", file=self.stream, flush=True)  # type: ignore[call-overload]
+        print("\r" + line.ljust(self.width), end="", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.enabled and self.width:
-            print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)  # type: ignore[call-overload]
+            print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
