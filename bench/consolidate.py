@@ -12,7 +12,7 @@ What is measured, on this machine, in one process tree:
   too), then every row is read back and compared with its source.
 * ``cp``: ``cp -r`` of the checkpoint files into a new directory, then ``sync``.
 
-``wait_for_output`` polls the backend every ``workers.client.POLL_SECONDS``
+``wait_for_output`` polls the backend every ``chkq.workers.client.POLL_SECONDS``
 (0.05 s as shipped); the bench sets it to ``--poll-seconds`` (0.02 s) so that
 the polling granularity does not dominate a sub-second job, and says so.
 
@@ -156,7 +156,7 @@ class Cluster:
     """A private redis-server and one celery worker with ``workers`` pool processes."""
 
     def __init__(self, workers: int, log_dir: Path) -> None:
-        from workers.broker import PrivateRedis
+        from chkq.workers.broker import PrivateRedis
 
         self.workers = workers
         self.redis = PrivateRedis()
@@ -164,9 +164,9 @@ class Cluster:
         self.process: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Cluster:
-        from config.celery_app import app, use_broker
-        from config.routing import QUEUES
-        from workers.embedded import worker_command
+        from chkq.config.celery_app import app, use_broker
+        from chkq.config.routing import QUEUES
+        from chkq.workers.embedded import worker_command
 
         self.redis.start()
         os.environ["CHKQ_BROKER_URL"] = self.redis.url
@@ -273,7 +273,7 @@ def pool_cpu(pids: list[int]) -> float:
 
 
 def run_chkq(run_dir: Path, cluster: Cluster, rss: list[dict[str, int]]) -> float:
-    from workers.client import submit_consolidation
+    from chkq.workers.client import submit_consolidation
 
     (run_dir / f"{MODEL}.h5").unlink(missing_ok=True)
     pids = cluster.pool_pids()
@@ -348,9 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="how often wait_for_output polls the backend (the client ships "
                              "with 0.05 s, which adds ~0.025 s on average to every job)")
     args = parser.parse_args(argv)
-    import workers.client
+    import chkq.workers.client
 
-    workers.client.POLL_SECONDS = args.poll_seconds
+    chkq.workers.client.POLL_SECONDS = args.poll_seconds
     runs = [r for r in args.runs.split(",") if r]
     contenders = [c for c in args.contenders.split(",") if c]
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="chkq-bench-")
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
           f"CHKQ_TASK_BYTES={os.environ.get('CHKQ_TASK_BYTES', 'default')} "
           f"CHKQ_TASK_FILES={os.environ.get('CHKQ_TASK_FILES', 'default')}")
     print(f"# client polls the result backend every {args.poll_seconds} s "
-          "(workers.client.POLL_SECONDS; shipped default 0.05 s)")
+          "(chkq.workers.client.POLL_SECONDS; shipped default 0.05 s)")
     print("# page cache: WARM for every contender (inputs just written, RAM >> data; "
           "caches are not dropped)", flush=True)
     times: dict[tuple[str, str], list[float]] = {}

@@ -3,7 +3,7 @@
 The core library (this package) works without Celery: checkpoint discovery,
 the HDF5 consolidation steps, object stores, the checkpoint log and its delta
 codec.  ``consolidate_checkpoints`` and ``submit_consolidation`` run those
-steps as a Celery canvas; they are imported lazily from :mod:`workers.client`
+steps as a Celery canvas; they are imported lazily from :mod:`chkq.workers.client`
 so that importing the core never imports Celery.
 """
 
@@ -17,9 +17,9 @@ from chkq.errors import CheckpointCorruptionError
 __version__ = "0.1.0"
 
 _LAZY = {
-    "consolidate_checkpoints": "workers.client",
-    "submit_consolidation": "workers.client",
-    "submit_commit": "workers.commits",
+    "consolidate_checkpoints": "chkq.workers.client",
+    "submit_consolidation": "chkq.workers.client",
+    "submit_commit": "chkq.workers.commits",
     "CheckpointLog": "chkq.log",
     "CheckpointRecord": "chkq.log",
     "CheckpointStore": "chkq.stores",

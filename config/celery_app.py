@@ -1,8 +1,8 @@
 """The Celery application and its configuration.
 
 As in cookiecutter-django's ``config/celery_app.py``: one app object,
-configured from :mod:`config.settings`, that workers, Flower and clients
-import as ``config.celery_app:app``.  Broker and backend default to the
+configured from :mod:`chkq.config.settings`, that workers, Flower and clients
+import as ``chkq.config.celery_app:app``.  Broker and backend default to the
 embedded cluster's URL when the caller has set ``CHKQ_BROKER_URL`` for it.
 """
 
@@ -20,10 +20,10 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import prepare_accept_content
 from kombu.utils.encoding import safe_repr
 
-from config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
-from config.settings import Settings
+from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
+from chkq.config.settings import Settings
 
-TASK_MODULES = ("tasks.consolidate", "tasks.commit")
+TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
 
 
 log = logging.getLogger("chkq.worker")
@@ -138,7 +138,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.broker_url or "redis://127.0.0.1:6379/0"
     return {
         "broker_url": broker,
-        "broker_transport": "config.broker_transport:Transport",
+        "broker_transport": "chkq.config.broker_transport:Transport",
         "result_backend": settings.result_backend or broker,
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": settings.broker_transport_options(),
@@ -165,7 +165,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": TASK_ROUTES,
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_consumer": "config.celery_app:GuardedConsumer",
+        "worker_consumer": "chkq.config.celery_app:GuardedConsumer",
     }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery import Task
 
-from config.celery_app import settings
+from chkq.config.celery_app import settings
 
 log = logging.getLogger("chkq.tasks")
 

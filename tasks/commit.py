@@ -23,15 +23,15 @@ from chkq.commits import (
     commit_bytes,
     read_stable,
 )
+from chkq.config.celery_app import app, settings
 from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError, open_store
-from config.celery_app import app, settings
-from tasks.base import ChkqTask, Timer
+from chkq.tasks.base import ChkqTask, Timer
 
 MAX_RETRIES = 30
 #: A parent still being committed is waited for by retries 0.25 s apart at first, then up
 #: to 5 s apart, for about 10 minutes. Clients that know a whole chain send it as a Celery
-#: chain instead (workers.commits.submit_commit_chain), which never waits.
+#: chain instead (chkq.workers.commits.submit_commit_chain), which never waits.
 PARENT_RETRIES = 130
 
 

@@ -30,6 +30,7 @@ from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 
 from chkq.access import check_allowed
+from chkq.config.celery_app import app, settings
 from chkq.copy_rows import copy_unit
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
@@ -37,10 +38,9 @@ from chkq.merge import merge_parts
 from chkq.naming import JobFiles, check_job_id
 from chkq.plan import Plan, load_plan
 from chkq.planner import prepare
+from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
+from chkq.tasks.jobs import finished_result, record_finished
 from chkq.verify_rows import verify_files
-from config.celery_app import app, settings
-from tasks.base import ChkqTask, JobInterruptedError, Timer
-from tasks.jobs import finished_result, record_finished
 
 log = logging.getLogger("chkq.tasks")
 

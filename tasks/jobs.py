@@ -12,7 +12,7 @@ import json
 import time
 from typing import Any
 
-from config.celery_app import app, settings
+from chkq.config.celery_app import app, settings
 
 RECENT_JOBS = "chkq-jobs"
 RECENT_LIMIT = 200

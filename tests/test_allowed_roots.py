@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from chkq.config.celery_app import app
+from chkq.config.routing import COMMIT_QUEUE, CONTROL_QUEUE
 from chkq.demo import RunShape, make_run
-from config.celery_app import app
-from config.routing import COMMIT_QUEUE, CONTROL_QUEUE
 from tests.helpers import snapshot
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 

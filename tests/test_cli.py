@@ -21,7 +21,7 @@ def run(*args: str, broker: bool = False, cwd: Path | None = None,
     if not broker:
         env.pop("CHKQ_BROKER_URL", None)
         env.pop("CHKQ_RESULT_BACKEND", None)
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args], env=env, cwd=cwd,
                           stdout=subprocess.PIPE, stderr=stderr, text=True, timeout=TIMEOUT)
 
 
@@ -82,7 +82,7 @@ def test_progress_is_shown_on_a_terminal(tmp_path: Path) -> None:
                if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
         env["CHKQ_BLOCK_BYTES"] = str(256 * 1024)
         done = subprocess.run(
-            [sys.executable, "-m", "workers.cli", "consolidate", "run", "--out-dir",
+            [sys.executable, "-m", "chkq.workers.cli", "consolidate", "run", "--out-dir",
              str(tmp_path), "--workers", "1"],
             env=env, stdout=subprocess.PIPE, stderr=secondary, text=True, timeout=TIMEOUT)
         os.close(secondary)
@@ -139,7 +139,7 @@ def test_embedded_cluster_without_redis_server_uses_fakeredis(tmp_path: Path) ->
            if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
     env["PATH"] = str(tmp_path / "empty-path")
     done = subprocess.run(
-        [sys.executable, "-m", "workers.cli", "consolidate", "run", "--out-dir", str(tmp_path),
+        [sys.executable, "-m", "chkq.workers.cli", "consolidate", "run", "--out-dir", str(tmp_path),
          "--workers", "1"], env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(tmp_path / "run.h5")

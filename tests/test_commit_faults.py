@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from celery.result import AsyncResult
 
+from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
-from config.routing import COMMIT_QUEUE
+from chkq.workers.commits import record_of, submit_commit, submit_commit_chain
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 from tests.plugins.object_stores import BUCKET, FaultProxy
 from tests.test_log_tasks import checkpoint_series, payload_keys
-from workers.commits import record_of, submit_commit, submit_commit_chain
 
 TIMEOUT = 180
 
@@ -115,7 +115,7 @@ def test_gc_removes_what_a_killed_committer_left_and_nothing_else(tmp_path: Path
     orphans = payload_keys(url, "r1") - live
     assert len(orphans) == 1
     assert checkpoint_id(files[2].read_bytes()) not in CheckpointLog(open_store(url), "r1")
-    gc = subprocess.run([sys.executable, "-m", "workers.cli", "log", "gc", url, "r1",
+    gc = subprocess.run([sys.executable, "-m", "chkq.workers.cli", "log", "gc", url, "r1",
                          "--older-than", "0"], capture_output=True, text=True, timeout=TIMEOUT)
     assert gc.returncode == 0, gc.stderr
     assert set(gc.stdout.split()) == orphans

@@ -11,15 +11,15 @@ import h5py
 import numpy as np
 import pytest
 
+from chkq.config.routing import VERIFY_QUEUE
 from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.plan import load_plan
-from config.routing import VERIFY_QUEUE
-from tasks.consolidate import task_id
+from chkq.tasks.consolidate import task_id
+from chkq.workers.client import ConsolidationJob, submit_consolidation
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 from tests.plugins.cluster import WorkerProcess, consumers_paused
-from workers.client import ConsolidationJob, submit_consolidation
 
-SLUG = Path(__file__).resolve().parents[2] / "shared" / "data" / "QHIFUVstats.h5"
+SLUG = Path(__file__).resolve().parent / "data" / "QHIFUVstats.h5"
 TIMEOUT = 120
 
 
@@ -106,7 +106,7 @@ def test_chunks_tiling_columns_and_user_fill_values(tmp_path: Path) -> None:
 
 
 def test_slug_output_cut_into_checkpoints_comes_back_the_same(tmp_path: Path) -> None:
-    """shared/data/QHIFUVstats.h5 cut into 4 checkpoints, consolidated back."""
+    """tests/data/QHIFUVstats.h5 (real slug output) cut into 4 checkpoints, consolidated back."""
     with h5py.File(SLUG, "r") as src:
         n = src["galaxy/trial"].shape[0]
         cuts = [0, 1000, 1000, 6543, n]

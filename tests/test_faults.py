@@ -33,18 +33,18 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
+from chkq.config.celery_app import app, use_broker
+from chkq.config.routing import COPY_QUEUE, VERIFY_QUEUE
+from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError, OutputMismatchError
 from chkq.plan import load_plan
-from config.celery_app import app, use_broker
-from config.routing import COPY_QUEUE, VERIFY_QUEUE
-from config.settings import Settings
-from tasks.base import JobInterruptedError, PoisonMessageError, deliveries_key
-from tasks.consolidate import task_id
+from chkq.tasks.base import JobInterruptedError, PoisonMessageError, deliveries_key
+from chkq.tasks.consolidate import task_id
+from chkq.workers.broker import PrivateRedis
+from chkq.workers.client import ConsolidationJob, JobLostError, submit_consolidation
 from tests.helpers import assert_consolidated, snapshot
 from tests.plugins.cluster import WorkerProcess
-from workers.broker import PrivateRedis
-from workers.client import ConsolidationJob, JobLostError, submit_consolidation
 
 # A result handle collected after its Redis was killed cannot unsubscribe: that
 # is the fault injected here, not an error of the code under test.
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptio
 
 # Limits of the clusters started here: tasks of a few seconds, a hard limit
 # above the slowest of them (a 3 s verification on 2 loaded cores), and the
-# visibility timeout above the hard limit, as config.settings requires.
+# visibility timeout above the hard limit, as chkq.config.settings requires.
 FAULT_LIMITS = {
     "CHKQ_SOFT_TIME_LIMIT": "8",
     "CHKQ_TIME_LIMIT": "10",

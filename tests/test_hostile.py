@@ -24,16 +24,16 @@ import redis
 from celery.result import AsyncResult
 from kombu import Connection, Exchange, Producer
 
+from chkq.config.celery_app import app
+from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
 from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
 from chkq.planner import prepare
-from config.celery_app import app
-from config.routing import QUEUES
+from chkq.workers.broker import PrivateRedis
+from chkq.workers.client import submit_consolidation
 from tests.helpers import assert_consolidated, snapshot
 from tests.plugins.cluster import WorkerProcess
-from workers.broker import PrivateRedis
-from workers.client import submit_consolidation
 
 TIMEOUT = 60
 

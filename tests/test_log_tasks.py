@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from chkq.config.celery_app import app
+from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
-from config.celery_app import app
-from config.routing import COMMIT_QUEUE
+from chkq.workers.commits import record_of, submit_commit
 from tests.plugins.cluster import WorkerProcess, consumers_paused
-from workers.commits import record_of, submit_commit
 
 TIMEOUT = 120
 
@@ -121,7 +121,7 @@ def chkq(*args: str, broker: bool = False) -> subprocess.CompletedProcess[str]:
     if not broker:
         env.pop("CHKQ_BROKER_URL", None)
         env.pop("CHKQ_RESULT_BACKEND", None)
-    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env,
+    return subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 

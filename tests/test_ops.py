@@ -29,10 +29,10 @@ from typing import Any
 import pytest
 
 from chkq.demo import RunShape, make_run
+from chkq.workers.broker import PrivateRedis, free_port
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
-from workers.broker import PrivateRedis, free_port
 
-CLI = [sys.executable, "-m", "workers.cli"]
+CLI = [sys.executable, "-m", "chkq.workers.cli"]
 AUTH = ("ops", "s3cret-pass")
 TIMEOUT = 60.0
 

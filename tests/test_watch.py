@@ -14,9 +14,9 @@ import numpy as np
 
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
+from chkq.workers.client import submit_consolidation
 from tests.helpers import assert_consolidated
 from tests.plugins.cluster import WorkerProcess
-from workers.client import submit_consolidation
 
 TIMEOUT = 120
 
@@ -24,7 +24,7 @@ TIMEOUT = 120
 def start_watch(out_dir: Path, store: str, pid: int, log_path: Path) -> subprocess.Popen[str]:
     with open(log_path, "a") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "workers.cli", "watch", str(out_dir), "sim",
+            [sys.executable, "-m", "chkq.workers.cli", "watch", str(out_dir), "sim",
              "--store", store, "--run", "r1", "--pid", str(pid), "--interval", "0.2",
              "--consolidate", "--wait"],
             stdout=log, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -76,7 +76,7 @@ def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reprod
     assert f"{output}" in log_path.read_text()
 
     back = tmp_path / "elsewhere"
-    restore = subprocess.run([sys.executable, "-m", "workers.cli", "log", "restore", store,
+    restore = subprocess.run([sys.executable, "-m", "chkq.workers.cli", "log", "restore", store,
                               "r1", str(back), "sim"], capture_output=True, text=True,
                              timeout=TIMEOUT)
     assert restore.returncode == 0, restore.stderr

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, TextIO
 from chkq import __version__
 
 if TYPE_CHECKING:
-    from workers.client import Progress
+    from chkq.workers.client import Progress
 
 #: Modules that add subcommands: each has ``register(subparsers)``.
 COMMAND_MODULES: tuple[str, ...] = (
-    "workers.log_cli", "workers.watch", "workers.flower", "workers.status",
+    "chkq.workers.log_cli", "chkq.workers.watch", "chkq.workers.flower", "chkq.workers.status",
 )
 
 
@@ -51,7 +51,7 @@ class ProgressLine:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from workers.client import consolidate_checkpoints, submit_consolidation
+    from chkq.workers.client import consolidate_checkpoints, submit_consolidation
 
     out_dir = args.out_dir or os.getcwd()
     if args.no_wait:
@@ -70,8 +70,8 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from config.celery_app import app
-    from config.routing import resolve_queues
+    from chkq.config.celery_app import app
+    from chkq.config.routing import resolve_queues
 
     queues = resolve_queues(args.queues)
     argv = ["worker", "-Q", ",".join(queues), "--loglevel", args.loglevel, "-P", "prefork"]

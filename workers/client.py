@@ -21,13 +21,13 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from chkq.config.celery_app import app, settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
-from config.celery_app import app, settings
-from tasks.base import PROGRESS
-from tasks.consolidate import consolidation_signature, root_cause, task_id
-from tasks.jobs import finished_result, job_info, record_submitted
+from chkq.tasks.base import PROGRESS
+from chkq.tasks.consolidate import consolidation_signature, root_cause, task_id
+from chkq.tasks.jobs import finished_result, job_info, record_submitted
 
 POLL_SECONDS = 0.05
 PROGRESS_SECONDS = 0.25
@@ -216,7 +216,7 @@ def consolidate_checkpoints(
     if settings.broker_url:
         job = submit_consolidation(model_name, out_dir, cleanup)
         return job.wait_for_output(on_progress=on_progress)
-    from workers.embedded import EmbeddedCluster
+    from chkq.workers.embedded import EmbeddedCluster
 
     check_out_dir(out_dir if out_dir is not None else os.getcwd())
     check_model_name(model_name)

@@ -12,9 +12,9 @@ from typing import Any
 
 from celery.result import AsyncResult
 
+from chkq.config.celery_app import app, settings
 from chkq.log import CheckpointRecord, validate_run_id
 from chkq.stores import open_store
-from config.celery_app import app, settings
 
 
 def submit_commit(
@@ -97,7 +97,7 @@ def commit_checkpoint(
     """Commit a checkpoint file through the cluster (or an embedded one) and wait."""
     if settings.broker_url:
         return record_of(submit_commit(store_url, run, path, **options).get(timeout=timeout))
-    from workers.embedded import EmbeddedCluster
+    from chkq.workers.embedded import EmbeddedCluster
 
     with EmbeddedCluster(workers or 1) as cluster:
         result = submit_commit(store_url, run, path, **options)

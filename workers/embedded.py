@@ -19,16 +19,16 @@ from typing import Any
 
 from celery.result import AsyncResult
 
-from config.celery_app import app, use_broker
-from config.routing import QUEUES
-from workers.broker import PrivateRedis
+from chkq.config.celery_app import app, use_broker
+from chkq.config.routing import QUEUES
+from chkq.workers.broker import PrivateRedis
 
 
 def worker_command(concurrency: int, queues: list[str], name: str,
                    loglevel: str = "INFO") -> list[str]:
     """The command line of a chkq worker process."""
     return [
-        sys.executable, "-m", "celery", "-A", "config.celery_app:app", "worker",
+        sys.executable, "-m", "celery", "-A", "chkq.config.celery_app:app", "worker",
         "-c", str(concurrency), "-Q", ",".join(queues), "-n", name,
         "--loglevel", loglevel, "-P", "prefork",
         "--without-gossip", "--without-mingle",

@@ -87,7 +87,7 @@ def run_flower(address: str, port: int) -> int:
     auth = check_listen(address)
     if auth is not None:
         os.environ["FLOWER_BASIC_AUTH"] = auth
-    from config.celery_app import app
+    from chkq.config.celery_app import app
 
     app.start(argv=flower_argv(address, port))
     return 0

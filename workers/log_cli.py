@@ -36,7 +36,7 @@ def _line(record: CheckpointRecord) -> str:
 
 
 def cmd_commit(args: argparse.Namespace) -> int:
-    from workers.commits import commit_checkpoint
+    from chkq.workers.commits import commit_checkpoint
 
     if args.parent and args.parent_head:
         raise ValueError("give --parent ID or --parent-head, not both")

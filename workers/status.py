@@ -93,7 +93,7 @@ def _is_consequence(exc: Any) -> bool:
 
 def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
     """Stored result metadata of ``task_ids`` (None: nothing stored), in one MGET per 1,000."""
-    from config.celery_app import app
+    from chkq.config.celery_app import app
 
     backend = app.backend
     metas: dict[str, dict[str, Any] | None] = {}
@@ -129,8 +129,8 @@ def job_status(job: str) -> JobStatus:
         If the backend knows nothing of ``job`` (never submitted, or expired).
     """
     from chkq.naming import check_job_id
-    from tasks.consolidate import task_id
-    from tasks.jobs import finished_result, job_info
+    from chkq.tasks.consolidate import task_id
+    from chkq.tasks.jobs import finished_result, job_info
 
     check_job_id(job)
     info = job_info(job) or {}
@@ -288,7 +288,7 @@ def format_recent(statuses: list[JobStatus]) -> str:
 
 def recent_statuses(limit: int) -> list[JobStatus]:
     """Statuses of the ``limit`` most recently submitted jobs (expired ones left out)."""
-    from tasks.jobs import recent_jobs
+    from chkq.tasks.jobs import recent_jobs
 
     found = []
     for job in recent_jobs(limit):
@@ -301,7 +301,7 @@ def recent_statuses(limit: int) -> list[JobStatus]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """``chkq status [JOB]``."""
-    from config.celery_app import settings
+    from chkq.config.celery_app import settings
 
     if not settings.broker_url:
         raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")

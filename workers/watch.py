@@ -19,11 +19,11 @@ from typing import Any
 
 from celery.result import AsyncResult
 
+from chkq.config.celery_app import settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from chkq.watcher import CommitRequest, Watcher
-from config.celery_app import settings
 
 
 def pid_alive(pid: int) -> bool:
@@ -43,7 +43,7 @@ def cluster_for(workers: int | None) -> Iterator[Any]:
     if settings.broker_url:
         yield None
         return
-    from workers.embedded import EmbeddedCluster
+    from chkq.workers.embedded import EmbeddedCluster
 
     with EmbeddedCluster(workers) as cluster:
         yield cluster
@@ -63,8 +63,8 @@ def run_finished(args: argparse.Namespace, idle_since: float) -> bool:
 
 
 def watch(args: argparse.Namespace) -> int:
-    from workers.client import submit_consolidation
-    from workers.commits import submit_commit
+    from chkq.workers.client import submit_consolidation
+    from chkq.workers.commits import submit_commit
 
     out_dir = check_out_dir(args.out_dir)
     model = check_model_name(args.model)

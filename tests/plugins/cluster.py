@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from config.celery_app import app, use_broker
-from workers.broker import PrivateRedis
-from workers.embedded import drop_result_subscriptions
+from chkq.config.celery_app import app, use_broker
+from chkq.workers.broker import PrivateRedis
+from chkq.workers.embedded import drop_result_subscriptions
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +47,7 @@ class WorkerProcess:
                        "CHKQ_RESULT_BACKEND": broker_url, **(env or {})}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "worker", "-Q", queues,
+                [sys.executable, "-m", "chkq.workers.cli", "worker", "-Q", queues,
                  "-c", str(concurrency), "-n", self.name, "--loglevel", "INFO"],
                 env=environment, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
