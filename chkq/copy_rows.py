@@ -13,23 +13,20 @@ Memory stays within one block of rows whatever the dataset size.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
-from h5py import h5d
+from h5py import h5d, h5f, h5s
 
-from chkq.errors import CheckpointChangedError
-from chkq.fsutil import write_durably
 from chkq.plan import CopyUnit, DatasetPlan, Plan
-from chkq.rowio import ByteCopier, as_bytes, block_rows, iter_blocks, read_into, start_writeback
+from chkq.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
 from chkq.skeleton import create_extensible
-from chkq.structure import open_checkpoint, open_checkpoint_id
+from chkq.stamps import check_descriptor, open_unchanged
+from chkq.structure import open_checkpoint_id
 
 Progress = Callable[[int], None]
 
@@ -53,6 +50,7 @@ class CopyStats:
     rows: int = 0
     bytes: int = 0
     files: int = 0
+    digests: list[list[int | str]] = field(default_factory=list)
 
 
 def segments_by_file(plan: Plan, unit: CopyUnit) -> dict[int, list[Segment]]:
@@ -82,20 +80,38 @@ def _file_at(offsets: list[int], row: int) -> int:
     return lo
 
 
-def check_unchanged(plan: Plan, file_index: int) -> Path:
-    """Return file ``file_index`` of the plan, if it is still the file that was planned."""
-    path, size, mtime_ns, inode = plan.files[file_index]
+def open_source(plan: Plan, file_index: int) -> tuple[h5f.FileID, int]:
+    """Open checkpoint file ``file_index`` as it was planned: an HDF5 id and a descriptor.
+
+    Both are checked against the file's recorded stamp (a file changed or
+    replaced by a link since planning is refused). The caller closes both.
+    """
+    path = plan.file_path(file_index)
+    fd = open_unchanged(path, plan.stamp(file_index), plan.job_id)
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointChangedError(
-            f"checkpoint file {path!r} disappeared while job {plan.job_id} was running"
-        ) from None
-    if (st.st_size, st.st_mtime_ns, st.st_ino) != (size, mtime_ns, inode):
-        raise CheckpointChangedError(
-            f"checkpoint file {path!r} changed while job {plan.job_id} was running"
-        )
-    return Path(path)
+        fid = open_checkpoint_id(path)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        check_descriptor(path, fid.get_vfd_handle(), plan.stamp(file_index).inode)
+    except BaseException:
+        fid.close()
+        os.close(fd)
+        raise
+    return fid, fd
+
+
+def open_output_fd(plan: Plan) -> int:
+    """Open the job's temporary output for writing, if it is the file the planner made."""
+    path = plan.job.temp
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_descriptor(path, fd, plan.temp_inode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class RawWriter:
@@ -140,7 +156,6 @@ class RawWriter:
         per_chunk, tile = d.chunk[0], d.chunk[1:]
         grid = [math.ceil(t / c) for t, c in zip(d.trailing, tile, strict=True)]
         per_row_chunk = math.prod(grid)
-        fill = np.frombuffer(bytes.fromhex(d.fill), dtype=rows.dtype, count=1)[0]
         tile_row_bytes = math.prod(tile) * rows.dtype.itemsize
         n, i = len(rows), 0
         while i < n:
@@ -151,7 +166,7 @@ class RawWriter:
                 sel = tuple(slice(c * t, (c + 1) * t) for c, t in zip(coords, tile, strict=True))
                 part = rows[(slice(i, i + take), *sel)]
                 if list(part.shape[1:]) != list(tile):
-                    padded = np.full((take, *tile), fill, dtype=rows.dtype)
+                    padded = np.zeros((take, *tile), dtype=rows.dtype)
                     padded[(slice(None), *(slice(0, s) for s in part.shape[1:]))] = part
                     part = padded
                 offset = d.chunk_offsets[k * per_row_chunk + linear] + within * tile_row_bytes
@@ -196,7 +211,7 @@ def raw_source_ok(dsid: h5d.DatasetID, d: DatasetPlan) -> bool:
         return False
     if list(dcpl.get_chunk()) != list(d.chunk):
         return False
-    return int(dsid.get_type().get_size()) * math.prod(d.trailing) == d.row_bytes
+    return int(dsid.get_type().get_size()) == d.element_size
 
 
 class ChunkCopier:
@@ -252,14 +267,12 @@ def copy_unit(plan: Plan, unit_index: int, progress: Progress | None = None) -> 
     segments = segments_by_file(plan, unit)
     if unit.part is not None:
         return _copy_to_part(plan, unit, segments, stats, progress)
-    fd = os.open(plan.job.temp, os.O_WRONLY)
+    fd = open_output_fd(plan)
     try:
         writer = RawWriter(fd)
         chunks = ChunkCopier(fd)
         for file_index, file_segments in segments.items():
-            path = check_unchanged(plan, file_index)
-            fid = open_checkpoint_id(path)
-            src_fd = os.open(path, os.O_RDONLY)
+            fid, src_fd = open_source(plan, file_index)
             try:
                 stats.files += 1
                 for seg in file_segments:
@@ -288,7 +301,7 @@ def _copy_through_hdf5(plan: Plan, d: DatasetPlan, dsid: h5d.DatasetID, base: in
     """Read a segment's rows through HDF5 (any layout) and write them as raw bytes."""
     step = block_rows(d.row_bytes, plan.block_bytes)
     buffer = np.empty((min(step, seg.stop - seg.start), *d.trailing),
-                      dtype=dsid.get_type().dtype)
+                      dtype=f"V{d.element_size}")
     for first in range(seg.start - base, seg.stop - base, step):
         rows = buffer[:min(step, seg.stop - base - first)]
         read_into(dsid, first, rows)
@@ -302,57 +315,67 @@ def _copy_to_part(
     stats: CopyStats,
     progress: Progress | None,
 ) -> CopyStats:
-    """Write one piece of a ``chunks``/``whole`` dataset to its part file through HDF5.
+    """Write one piece of a ``chunks`` dataset to its part file through HDF5.
 
-    For ``chunks`` data the SHA-256 of each file's source rows, as read, is
-    kept next to the part file: verification then reads the (compressed)
-    output once and compares digests instead of decoding every source again.
+    Rows move as bytes of the file type (read and written with the file
+    type as the memory type: nothing is converted, so full-width NULLTERM
+    strings and compound padding bytes survive). The SHA-256 of each
+    file's source rows, as read, goes into the task's result: verification
+    then reads the (compressed) output once and compares digests instead of
+    decoding every source again. The part file is created exclusively
+    (never through a link planted at its name) and renamed into place.
     """
     assert unit.part is not None
     index, start, stop = unit.pieces[0]
     d = plan.datasets[index]
     final = plan.job.part(unit.part)
     temp = final.with_name(final.name + ".new")
-    with h5py.File(plan.reference_file, "r") as ref, h5py.File(temp, "w") as part:
-        out = create_extensible(part, "data", ref[d.name], stop - start, early=False)
+    temp.unlink(missing_ok=True)
+    with h5py.File(plan.reference_file, "r") as ref, h5py.File(temp, "w-") as part:
+        out = create_extensible(part, "data", ref[d.name], stop - start).id
+        tid = out.get_type()
         per_chunk = d.chunk[0]
         half_block = block_rows(d.row_bytes, plan.block_bytes // 2)
         buffer_rows = max(per_chunk, half_block // per_chunk * per_chunk)
-        buffer = np.empty((min(buffer_rows, max(stop - start, 1)), *d.trailing), dtype=out.dtype)
+        buffer = np.empty((min(buffer_rows, max(stop - start, 1)), *d.trailing),
+                          dtype=f"V{d.element_size}")
         pending_rows, written = 0, 0
-        digests: list[list[int | str]] = []
 
         def flush() -> None:
             nonlocal pending_rows, written
             if pending_rows:
-                out[written:written + pending_rows] = buffer[:pending_rows]
+                fspace = out.get_space()
+                shape = (pending_rows, *d.trailing)
+                fspace.select_hyperslab((written,) + (0,) * len(d.trailing), shape)
+                out.write(h5s.create_simple(shape), fspace, buffer[:pending_rows], mtype=tid)
                 written += pending_rows
                 pending_rows = 0
 
         for file_index, file_segments in segments.items():
-            path = check_unchanged(plan, file_index)
-            with open_checkpoint(path) as src:
+            fid, src_fd = open_source(plan, file_index)
+            try:
+                source = h5d.open(fid, d.name.encode())
                 stats.files += 1
                 for seg in file_segments:
                     base = d.offsets[file_index]
                     digest = hashlib.sha256()
-                    for _, rows in iter_blocks(src[d.name], seg.start - base, seg.stop - base,
-                                               half_block):
+                    lo, end = seg.start - base, seg.stop - base
+                    while lo < end:
+                        if pending_rows == len(buffer):
+                            flush()
+                        take = min(len(buffer) - pending_rows, end - lo)
+                        rows = buffer[pending_rows:pending_rows + take]
+                        read_into(source, lo, rows)
                         digest.update(as_bytes(rows))
-                        while len(rows):
-                            take = min(len(buffer) - pending_rows, len(rows))
-                            buffer[pending_rows:pending_rows + take] = rows[:take]
-                            pending_rows += take
-                            rows = rows[take:]
-                            if pending_rows == len(buffer):
-                                flush()
+                        pending_rows, lo = pending_rows + take, lo + take
                         stats.rows = written + pending_rows
                         if progress:
                             progress(stats.rows)
-                    digests.append([file_index, seg.start, seg.stop, digest.hexdigest()])
+                    stats.digests.append([file_index, seg.start, seg.stop, digest.hexdigest()])
+            finally:
+                fid.close()
+                os.close(src_fd)
         flush()
         stats.bytes = written * d.row_bytes
-    if d.mode == "chunks":
-        write_durably(plan.job.digests(unit.part), json.dumps(digests))
     os.replace(temp, final)
     return stats

@@ -4,7 +4,9 @@ Checkpoint ``NNNNN`` (exactly five digits) of model ``MODEL`` is a file
 ``MODEL_chkNNNNN.h5`` or a directory ``MODEL_chkNNNNN/`` of ``.h5`` files,
 one per writer. The file wins over a directory with the same number;
 checkpoints come in ascending number, files in a directory in name order;
-anything else is ignored.
+anything else is ignored. A checkpoint entry that is a symbolic link is
+refused: it could point out of the run directory, and cleanup deletes
+checkpoints.
 """
 
 from __future__ import annotations
@@ -49,10 +51,17 @@ def check_model_name(model: str) -> str:
 def check_out_dir(out_dir: str | Path) -> Path:
     """Return ``out_dir`` as an absolute path if it is an existing directory."""
     path = Path(out_dir).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"output directory {str(path)!r} does not exist")
     if not path.is_dir():
-        what = "does not exist" if not path.exists() else "is not a directory"
-        raise NotADirectoryError(f"output directory {str(path)!r} {what}")
+        raise NotADirectoryError(f"output directory {str(path)!r} is not a directory")
     return path.absolute()
+
+
+def _refuse_link(entry: Path) -> None:
+    if entry.is_symlink():
+        raise ValueError(f"checkpoint {str(entry)!r} is a symbolic link: chkq does not follow "
+                         "links in a run directory (copy the checkpoint in instead)")
 
 
 def checkpoint_pattern(model: str) -> re.Pattern[str]:
@@ -77,6 +86,7 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
         if match is None:
             continue
         number = int(match.group(1))
+        _refuse_link(entry)
         if match.group(2):
             if entry.is_file():
                 files[number] = entry
@@ -88,10 +98,10 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
             found.append(Checkpoint(number, files[number], (files[number],)))
         else:
             folder = dirs[number]
-            members = sorted(
-                (p for p in folder.iterdir()
-                 if p.suffix == ".h5" and not p.name.startswith(".") and p.is_file()),
-                key=lambda p: p.name,
-            )
+            candidates = [p for p in folder.iterdir()
+                          if p.suffix == ".h5" and not p.name.startswith(".")]
+            for member in candidates:
+                _refuse_link(member)
+            members = sorted((p for p in candidates if p.is_file()), key=lambda p: p.name)
             found.append(Checkpoint(number, folder, tuple(members)))
     return found

@@ -1,65 +1,68 @@
-"""Moving part files into the output, then making the output durable.
+"""Moving part files and variable-length rows into the output, then making it durable.
 
 Runs once, after every copy task, in one process (HDF5 cannot be written
-by two at once). ``chunks`` datasets move as encoded chunks with
-``read_direct_chunk``/``write_direct_chunk`` (no decompression);
-``whole`` datasets are copied with H5Ocopy.
+by two at once), on the output the planner made (checked by inode).
+``chunks`` datasets receive their part files' encoded chunks with
+``read_direct_chunk``/``write_direct_chunk`` (no decompression); ``whole``
+datasets (variable-length data, references) receive their rows through
+HDF5, file by file, each object or region reference re-pointed to the
+object of the same name in the output.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import h5py
-from h5py import h5o
+import numpy as np
+from h5py import h5r, h5t
 
-from chkq.fsutil import write_durably
-from chkq.plan import Plan
-from chkq.skeleton import create_extensible
+from chkq.copy_rows import open_source
+from chkq.plan import DatasetPlan, Plan
+from chkq.rowio import block_rows
+from chkq.stamps import check_descriptor
+
+#: Most rows of variable-length data moved per read (their size in memory is not known).
+WHOLE_BLOCK_ROWS = 65536
 
 
 def merge_parts(plan: Plan) -> int:
-    """Merge every part file into the temporary output, fsync it, remove the parts.
+    """Merge part files and variable-length rows into the temporary output and fsync it.
 
-    Returns the bytes moved. Idempotent: a marker written once the output is
-    durable (before the parts go) makes a second run do nothing, and a
-    dataset merged by an earlier, interrupted attempt is replaced.
+    Returns the bytes moved. Part files are left for :func:`remove_parts`,
+    called once the merge is recorded, so that an interrupted merge can run
+    again from the start.
     """
-    job = plan.job
-    if job.merged.exists():
-        return 0
     moved = 0
-    part_datasets = [i for i, d in enumerate(plan.datasets) if d.mode != "raw"]
-    if part_datasets:
-        with h5py.File(plan.reference_file, "r") as ref, h5py.File(plan.job.temp, "r+") as out:
-            for index in part_datasets:
-                d = plan.datasets[index]
-                units = [(n, u) for n, u in enumerate(plan.copy_units)
-                         if u.part is not None and u.pieces[0][0] == index]
-                if d.name in out:
-                    del out[d.name]
-                parent = out.require_group(d.name.rpartition("/")[0] or "/")
-                leaf = d.name.rpartition("/")[2]
-                if d.mode == "whole":
-                    ((_, unit),) = units
-                    assert unit.part is not None
+    parts = [i for i, d in enumerate(plan.datasets) if d.mode == "chunks"]
+    whole = [i for i, d in enumerate(plan.datasets) if d.mode == "whole"]
+    if parts or whole:
+        with h5py.File(plan.job.temp, "r+") as out:
+            check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
+            for index in parts:
+                target = out[plan.datasets[index].name]
+                for unit in plan.copy_units:
+                    if unit.part is None or unit.pieces[0][0] != index:
+                        continue
                     with h5py.File(plan.job.part(unit.part), "r") as part:
-                        h5o.copy(part.id, b"data", parent.id, leaf.encode())
-                        moved += part["data"].id.get_storage_size()
-                    continue
-                target = create_extensible(parent, leaf, ref[d.name], d.total, early=False)
-                for _, unit in units:
-                    assert unit.part is not None
-                    start = unit.pieces[0][1]
-                    with h5py.File(plan.job.part(unit.part), "r") as part:
-                        moved += _move_chunks(part["data"], target, start)
-    with open(job.temp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    write_durably(job.merged, str(moved))
+                        moved += _move_chunks(part["data"], target, unit.pieces[0][1])
+            if whole:
+                moved += _copy_whole(plan, [plan.datasets[i] for i in whole], out)
+    fd = os.open(plan.job.temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        check_descriptor(plan.job.temp, fd, plan.temp_inode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return moved
+
+
+def remove_parts(plan: Plan) -> None:
+    """Delete the job's part files (after the merge was recorded)."""
     for unit in plan.copy_units:
         if unit.part is not None:
-            job.part(unit.part).unlink(missing_ok=True)
-    return moved
+            plan.job.part(unit.part).unlink(missing_ok=True)
 
 
 def _move_chunks(source: h5py.Dataset, target: h5py.Dataset, row_offset: int) -> int:
@@ -73,3 +76,58 @@ def _move_chunks(source: h5py.Dataset, target: h5py.Dataset, row_offset: int) ->
         target.id.write_direct_chunk(where, data, mask)
         moved += len(data)
     return moved
+
+
+def _copy_whole(plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
+    """Copy the rows of variable-length and reference datasets from every file, in order."""
+    moved = 0
+    for file_index in range(len(plan.files)):
+        fid, fd = open_source(plan, file_index)
+        try:
+            source = h5py.File(fid)
+            for d in datasets:
+                start, stop = d.rows_of(file_index)
+                if stop == start:
+                    continue
+                src, dst = source[d.name], out[d.name]
+                step = min(WHOLE_BLOCK_ROWS, block_rows(d.row_bytes, plan.block_bytes))
+                for lo in range(0, stop - start, step):
+                    hi = min(stop - start, lo + step)
+                    rows = src[lo:hi]
+                    if src.id.get_type().get_class() == h5t.REFERENCE:
+                        rows = repoint(rows, source, out, d.name)
+                    dst[start + lo:start + hi] = rows
+                    moved += (hi - lo) * d.row_bytes
+        finally:
+            fid.close()
+            os.close(fd)
+    return moved
+
+
+def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str) -> np.ndarray:
+    """The references in ``rows`` (of ``source``) re-pointed to the same-named objects of ``out``.
+
+    Raises
+    ------
+    ValueError
+        If a reference points to an object with no name (or one the output
+        lacks), naming the dataset.
+    """
+    result = np.empty(rows.shape, dtype=rows.dtype)
+    flat, target = rows.reshape(-1), result.reshape(-1)
+    for i, ref in enumerate(flat):
+        target[i] = _repoint_one(ref, source, out, name)
+    return result
+
+
+def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str) -> Any:
+    if not ref:
+        return ref
+    path = source[ref].name
+    if not path or path not in out:
+        raise ValueError(f"a reference in dataset '/{name}' of {source.filename!r} points to "
+                         f"an object the output does not have ({path!r})")
+    if isinstance(ref, h5py.RegionReference):
+        region = h5r.get_region(ref, source.id)
+        return h5r.create(out.id, path.encode(), h5r.DATASET_REGION, region)
+    return out[path].ref

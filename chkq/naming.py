@@ -49,25 +49,6 @@ class JobFiles:
         """The output while it is written and verified."""
         return self.out_dir / f"{self.prefix}.h5.tmp"
 
-    @property
-    def plan(self) -> Path:
-        """The job's plan (JSON), read by every task of the job."""
-        return self.out_dir / f"{self.prefix}.plan.json"
-
-    @property
-    def linked(self) -> Path:
-        """Marker that the output was linked by this job (holds its inode)."""
-        return self.out_dir / f"{self.prefix}.linked"
-
-    @property
-    def merged(self) -> Path:
-        """Marker that the part files are merged and the output is durable."""
-        return self.out_dir / f"{self.prefix}.merged"
-
-    def digests(self, unit: int) -> Path:
-        """SHA-256 digests of the source rows copy unit ``unit`` wrote to its part file."""
-        return self.out_dir / f"{self.prefix}.digest{unit:05d}.json"
-
     def part(self, unit: int) -> Path:
         """Part file written by copy unit ``unit`` for a dataset HDF5 must encode."""
         return self.out_dir / f"{self.prefix}.part{unit:05d}.h5"

@@ -2,8 +2,10 @@
 
 The planner scans every checkpoint file once, checks the run, and decides
 where each file's rows go in the output and how the copy and verification
-are cut into tasks. The plan is written next to the output as JSON; tasks
-receive only the job's directory, model and id, plus a unit number.
+are cut into tasks. The plan is kept where only workers write (the result
+backend, see ``chkq.tasks.protocol``), never in the run directory, whose
+owner is not trusted; tasks receive only the job's directory, model and id,
+plus a unit number.
 
 Cutting the work
 ----------------
@@ -24,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
-from chkq.fsutil import write_durably
+from chkq.discovery import Checkpoint, find_checkpoints
 from chkq.naming import JobFiles
+from chkq.stamps import FileStamp
 from chkq.structure import FileScan, check_same_structure, scan_file
 
 PLAN_VERSION = 1
@@ -51,13 +53,13 @@ class DatasetPlan:
     offsets
         Output row where each file's rows start, plus the total at the end.
     row_bytes
-        Bytes of one row in memory.
+        Bytes of one row (of the file type).
+    element_size
+        Bytes of one element of the file type.
     chunk
         The output's chunk shape (the source's).
     chunk_offsets
         Raw mode: file offset of every chunk, in row-major chunk order.
-    fill
-        Raw mode: the fill value's bytes (hex) to pad partial chunks with.
     """
 
     name: str
@@ -66,8 +68,8 @@ class DatasetPlan:
     row_bytes: int
     chunk: list[int]
     trailing: list[int]
+    element_size: int
     chunk_offsets: list[int] = field(default_factory=list)
-    fill: str = ""
 
     @property
     def total(self) -> int:
@@ -95,10 +97,11 @@ class Plan:
     """Everything the tasks of one consolidation job share.
 
     ``checkpoints`` holds ``[number, path, is_directory]``; ``files`` holds
-    ``[path, size, mtime_ns, inode]`` of every file in consolidation order,
-    so that tasks can tell a file that changed since planning;
-    ``reference_file`` is the final checkpoint's first file, the source of
-    attributes and fixed datasets.
+    ``[path, size, mtime_ns, ctime_ns, inode, device]`` of every file in
+    consolidation order, so that tasks can tell a file that changed since
+    planning; ``reference_file`` is the final checkpoint's first file, the
+    template of the output; ``temp_inode`` identifies the temporary output
+    the planner created.
     """
 
     job_id: str
@@ -112,6 +115,7 @@ class Plan:
     datasets: list[DatasetPlan]
     copy_units: list[CopyUnit]
     verify_units: list[list[int]]
+    temp_inode: int = 0
     version: int = PLAN_VERSION
 
     @property
@@ -121,6 +125,13 @@ class Plan:
     @property
     def total_rows(self) -> int:
         return sum(d.total for d in self.datasets)
+
+    def stamp(self, file_index: int) -> FileStamp:
+        """The recorded identity of file ``file_index``."""
+        return FileStamp(*self.files[file_index][1:])
+
+    def file_path(self, file_index: int) -> Path:
+        return Path(self.files[file_index][0])
 
     def file_rows(self, file_index: int) -> int:
         """Rows file ``file_index`` contributes, over all datasets."""
@@ -137,26 +148,6 @@ class Plan:
         raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
         raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
         return cls(**raw)
-
-    def save(self) -> None:
-        """Write the plan atomically (temporary file, fsync, rename)."""
-        write_durably(self.job.plan, self.to_json())
-
-
-def load_plan(out_dir: str | Path, model: str, job_id: str) -> Plan:
-    """Read the plan of job ``job_id``; FileNotFoundError if the job is gone."""
-    job = JobFiles(check_out_dir(out_dir), check_model_name(model), job_id)
-    try:
-        text = job.plan.read_text()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"consolidation job {job_id} of {model!r} has no plan in {str(job.out_dir)!r}: "
-            "it failed, was cancelled, or already finished"
-        ) from None
-    plan = Plan.from_json(text)
-    if plan.job_id != job_id or plan.model != model:
-        raise ValueError(f"plan file {str(job.plan)!r} belongs to another job")
-    return plan
 
 
 def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
@@ -256,11 +247,9 @@ def cut_copy_units(
         units = [CopyUnit([[i, lo, hi]]) for i in raw
                  for lo, hi in dataset_ranges(datasets[i], task_bytes)]
     for i, d in enumerate(datasets):
-        if d.mode == "raw":
-            continue
-        ranges = dataset_ranges(d, task_bytes) if d.mode == "chunks" else [(0, d.total)]
-        for lo, hi in ranges or [(0, 0)]:
-            units.append(CopyUnit([[i, lo, hi]], part=len(units)))
+        if d.mode == "chunks":
+            for lo, hi in dataset_ranges(d, task_bytes):
+                units.append(CopyUnit([[i, lo, hi]], part=len(units)))
     return units
 
 

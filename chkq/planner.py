@@ -1,9 +1,9 @@
-"""Planning a consolidation job: check the run, write the skeleton and the plan.
+"""Planning a consolidation job: check the run, write the skeleton, cut the work.
 
-``prepare`` is the planning step of the canvas. It is idempotent: when the
-plan of the job already exists (the step was delivered again after it
-finished) it is returned as it is, so copy tasks already writing into the
-output are never disturbed.
+``prepare`` is the core of the planning step. It writes the output's
+skeleton under the job's temporary name and returns the plan; the task
+layer keeps the plan where only workers write, and makes a redelivered
+planning step reuse it (see ``chkq.tasks.protocol``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import h5py
+from h5py import h5d, h5f, h5o, h5t
 
 from chkq.discovery import check_model_name, check_out_dir
+from chkq.h5types import describe_type, element_count, has_reference
 from chkq.naming import JobFiles
 from chkq.plan import (
     DatasetPlan,
@@ -21,13 +22,74 @@ from chkq.plan import (
     cut_copy_units,
     cut_verify_units,
     discover_and_scan,
-    load_plan,
     offsets_of,
 )
 from chkq.skeleton import create_skeleton, dataset_mode
-from chkq.structure import row_bytes
+from chkq.stamps import stamp_of
+from chkq.structure import open_checkpoint_id
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def describe_template(reference: Path, names: list[str],
+                      totals: dict[str, list[int]]) -> list[DatasetPlan]:
+    """Plan every extensible dataset from the template; refuse what cannot be copied exactly.
+
+    Raises
+    ------
+    ValueError
+        Naming the dataset and what chkq does not support (references of
+        the new, 1.12-style kind in rows: they cannot be re-pointed).
+    """
+    fid = open_checkpoint_id(reference)
+    datasets = []
+    try:
+        for name in names:
+            dsid = h5d.open(fid, name.encode())
+            tid = dsid.get_type()
+            if has_reference(tid) and (tid.get_class() != h5t.REFERENCE
+                                       or not _classic_references(tid)):
+                raise ValueError(
+                    f"extensible dataset '/{name}' of {str(reference)!r} holds references "
+                    f"inside a {describe_type(tid)} type, or of a kind chkq cannot re-point")
+            shape = dsid.shape
+            datasets.append(DatasetPlan(
+                name=name,
+                mode=dataset_mode(dsid),
+                offsets=totals[name],
+                row_bytes=tid.get_size() * element_count(shape[1:]),
+                chunk=list(dsid.get_create_plist().get_chunk()),
+                trailing=list(shape[1:]),
+                element_size=tid.get_size(),
+            ))
+        _refuse_external_template(fid, reference)
+    finally:
+        fid.close()
+    return datasets
+
+
+def _classic_references(tid: h5t.TypeID) -> bool:
+    """Whether a reference type is an HDF5 1.8-style object or region reference."""
+    return bool(tid.equal(h5t.STD_REF_OBJ) or tid.equal(h5t.STD_REF_DSETREG))
+
+
+def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
+    """Refuse a template whose fixed datasets keep data in other files (the output would too)."""
+    found: list[str] = []
+
+    def visit(name: bytes, info: h5o._ObjInfo) -> int | None:
+        if info.type != h5o.TYPE_DATASET:
+            return None
+        dcpl = h5d.open(fid, name).get_create_plist()
+        if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count() > 0:
+            found.append(name.decode(errors="replace"))
+            return 1
+        return None
+
+    h5o.visit(fid, visit, info=True)
+    if found:
+        raise ValueError(f"dataset '/{found[0]}' of {str(reference)!r} keeps its data in other "
+                         "files (virtual or external storage): chkq does not consolidate it")
 
 
 def prepare(
@@ -40,7 +102,7 @@ def prepare(
     task_bytes: int = DEFAULT_BLOCK_BYTES,
     task_files: int = 64,
 ) -> Plan:
-    """Check the run, create the output skeleton under a temporary name, save the plan.
+    """Check the run, create the output skeleton under a temporary name, return the plan.
 
     Raises
     ------
@@ -49,48 +111,32 @@ def prepare(
     FileExistsError
         ``OUT_DIR/MODEL.h5`` exists.
     ValueError
-        A file is incomplete, unreadable, not HDF5, or differs in structure.
+        A file is incomplete, unreadable, not HDF5, differs in structure, is
+        a symbolic link, or holds something chkq cannot copy exactly.
     """
     directory = check_out_dir(out_dir)
     job = JobFiles(directory, check_model_name(model), job_id)
-    if job.plan.exists():
-        return load_plan(directory, model, job_id)
-    if job.output.exists():
+    if os.path.lexists(job.output):
         raise FileExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
     checkpoints, scans = discover_and_scan(directory, model)
+    stamps = [stamp_of(scan.path) for scan in scans]
     reference = checkpoints[-1].files[0]
     names = scans[0].extensible
-    datasets = []
-    with h5py.File(reference, "r") as ref:
-        for name in names:
-            source = ref[name]
-            datasets.append(DatasetPlan(
-                name=name,
-                mode=dataset_mode(source),
-                offsets=offsets_of(name, scans),
-                row_bytes=row_bytes(source),
-                chunk=list(source.chunks),
-                trailing=list(source.shape[1:]),
-            ))
+    datasets = describe_template(reference, names, {n: offsets_of(n, scans) for n in names})
     job.temp.unlink(missing_ok=True)
-    layout = create_skeleton(
+    layout, inode = create_skeleton(
         job.temp, reference,
-        modes={d.name: d.mode for d in datasets},
         rows={d.name: d.total for d in datasets},
+        raw={d.name for d in datasets if d.mode == "raw"},
     )
     for d in datasets:
-        if d.name in layout:
-            offsets, fill = layout[d.name]
-            d.chunk_offsets, d.fill = offsets, fill.hex()
-    files = []
-    for scan in scans:
-        st = os.stat(scan.path)
-        files.append([str(scan.path), st.st_size, st.st_mtime_ns, st.st_ino])
+        d.chunk_offsets = layout.get(d.name, [])
+    files = [[str(scan.path), *stamp.as_list()] for scan, stamp in zip(scans, stamps, strict=True)]
     file_sizes = [
         sum((d.offsets[f + 1] - d.offsets[f]) * d.row_bytes for d in datasets)
         for f in range(len(files))
     ]
-    plan = Plan(
+    return Plan(
         job_id=job_id,
         model=model,
         out_dir=str(directory),
@@ -102,6 +148,5 @@ def prepare(
         datasets=datasets,
         copy_units=cut_copy_units(datasets, len(files), task_bytes, task_files),
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
+        temp_inode=inode,
     )
-    plan.save()
-    return plan

@@ -1,133 +1,235 @@
-"""Creating the output file's skeleton, keeping every HDF5 type exactly.
+"""Creating the output's skeleton: the final checkpoint's first file, resized.
 
-Attributes and fixed datasets come from the final checkpoint's first file.
-Extensible datasets are created with the source's own HDF5 type (string
-padding included) and dataset creation properties (chunk shape, filters,
-fill value), via the low-level API, because h5py's high-level calls would
-substitute types of their own (NULLPAD for NULLTERM strings, say).
+The output must equal the final checkpoint's first file (the *template*)
+in everything but the rows of its extensible datasets: every link (hard,
+soft, external), committed datatypes, references, attributes with their
+exact bytes, the userblock, dataspaces and creation properties. No walk of
+the file reproduces all of that, so the skeleton *is* the template: its
+bytes are copied under the job's temporary name, and each extensible
+dataset is resized in place to the run's total row count, keeping its
+object (and so every link and reference to it) as it was.
+
+Raw-mode datasets (uncompressed, fixed-size elements) are written by copy
+tasks as bytes at chunk offsets, so all their chunks must exist before the
+copy starts. HDF5 allocates them in one call when a dataset's allocation
+time is EARLY; otherwise allocating costs a write of every chunk. So a
+raw-mode dataset that nothing else can tell apart from a new one (a single
+link, no references in the file, attributes of fixed-size types, no
+modification times) is recreated with EARLY allocation instead (the
+*allocation time* is then the only property that differs from the
+template, and the template's rows stay behind as unused space), and any
+other is resized in place and allocated by writing it.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5o, h5p, h5s
+from h5py import h5a, h5d, h5l, h5o, h5p, h5s
+
+from chkq.h5types import has_reference, is_variable, opaque_dtype
+from chkq.rowio import ByteCopier
+
+#: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
+ALLOCATE_BYTES = 16 * 1024 * 1024
 
 
-def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
-    """Copy every attribute of ``source`` to ``target`` with its exact type and shape."""
-    for index in range(h5a.get_num_attrs(source.id)):
-        attr = h5a.open(source.id, index=index)
-        space = attr.get_space()
-        new = h5a.create(target.id, attr.name, attr.get_type(), space)
-        if space.get_simple_extent_type() == h5s.NULL:
-            continue
-        value = np.empty(space.shape, dtype=attr.dtype)
-        attr.read(value)
-        new.write(value)
-
-
-def dataset_mode(dataset: h5py.Dataset) -> str:
+def dataset_mode(dsid: h5d.DatasetID) -> str:
     """How chkq copies an extensible dataset: ``raw``, ``chunks`` or ``whole``.
 
     Raw chunk bytes can be written in place only for uncompressed data of a
-    fixed size whose in-memory layout is its on-disk layout; filtered data
-    of a fixed size moves as encoded chunks; anything of variable length
-    (heap references, not bytes) goes through HDF5 whole.
+    fixed size; filtered data of a fixed size moves as encoded chunks;
+    anything holding pointers (variable-length data, references) goes
+    through HDF5, row by row.
     """
-    dtype = dataset.dtype
-    variable = dtype.hasobject or h5py.check_vlen_dtype(dtype) is not None
-    if variable or dataset.id.get_type().get_size() != dtype.itemsize:
+    if is_variable(dsid.get_type()):
         return "whole"
-    if dataset.id.get_create_plist().get_nfilters() > 0:
+    if dsid.get_create_plist().get_nfilters() > 0:
         return "chunks"
     return "raw"
 
 
-def create_extensible(
-    group: h5py.Group, name: str, source: h5py.Dataset, rows: int, *, early: bool
-) -> h5py.Dataset:
-    """Create ``name`` in ``group`` like ``source``, with ``rows`` rows.
+def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
+    """Copy every attribute of ``source`` to ``target``: same name, type, space and bytes.
 
-    With ``early``, every chunk is allocated now (so its file offset is
-    known) and never filled: chkq writes all of them.
+    Only for attributes of fixed-size types (the bytes are read with the
+    file type as the memory type, so nothing is converted).
     """
-    dcpl = source.id.get_create_plist()
-    if early:
-        dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
-        dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
+    for index in range(h5a.get_num_attrs(source.id)):
+        attr = h5a.open(source.id, index=index)
+        space = attr.get_space()
+        tid = attr.get_type()
+        new = h5a.create(target.id, attr.name, tid, space)
+        if space.get_simple_extent_type() == h5s.NULL:
+            continue
+        value = np.empty(space.shape, dtype=opaque_dtype(tid))
+        attr.read(value, mtype=tid)
+        new.write(value, mtype=tid)
+
+
+def create_extensible(group: h5py.Group, name: str, source: h5py.Dataset,
+                      rows: int) -> h5py.Dataset:
+    """Create ``name`` in ``group`` like ``source`` (type, creation properties), ``rows`` long.
+
+    Used for part files, whose chunks the merge step moves into the output.
+    """
     maxshape = tuple(h5s.UNLIMITED if m is None else m for m in source.maxshape)
     space = h5s.create_simple((rows, *source.shape[1:]), maxshape)
-    dsid = h5d.create(group.id, name.encode(), source.id.get_type(), space, dcpl=dcpl)
-    dataset = h5py.Dataset(dsid)
-    copy_attributes(source, dataset)
-    return dataset
+    dsid = h5d.create(group.id, name.encode(), source.id.get_type(), space,
+                      dcpl=source.id.get_create_plist())
+    return h5py.Dataset(dsid)
 
 
-def chunk_offsets(dataset: h5py.Dataset) -> list[int]:
-    """File offset of every allocated chunk of ``dataset``, in row-major chunk order."""
-    chunks = dataset.chunks
-    assert chunks is not None
-    grid = [-(-size // c) for size, c in zip(dataset.shape, chunks, strict=True)]
+def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
+    """File offset of every chunk of a dataset, in row-major chunk order (all allocated)."""
+    dcpl = dsid.get_create_plist()
+    chunks = dcpl.get_chunk()
+    shape = dsid.shape
+    grid = [-(-size // c) for size, c in zip(shape, chunks, strict=True)]
     found: dict[tuple[int, ...], int] = {}
 
     def record(info: h5d.StoreInfo) -> None:
         coords = tuple(o // c for o, c in zip(info.chunk_offset, chunks, strict=True))
         found[coords] = int(info.byte_offset)
 
-    dataset.id.chunk_iter(record)
+    if all(grid):
+        dsid.chunk_iter(record)
     offsets = []
     for coords in np.ndindex(*grid):
         if coords not in found:
-            raise RuntimeError(f"chunk {coords} of {dataset.name} was not allocated")
+            raise RuntimeError(f"chunk {coords} of the output's dataset was not allocated")
         offsets.append(found[coords])
     return offsets
 
 
-def fill_bytes(dataset: h5py.Dataset) -> bytes:
-    """The fill value of ``dataset`` as raw bytes of one element."""
-    value = np.zeros((), dtype=dataset.dtype)
-    dataset.id.get_create_plist().get_fill_value(value)
-    return value.tobytes()
+def copy_template(reference: Path, temp: Path) -> int:
+    """Copy ``reference``'s bytes to a new file ``temp``; return the new file's inode.
+
+    ``temp`` is created with O_EXCL|O_NOFOLLOW: a file or symbolic link
+    already there (planted by whoever can write the run directory) is never
+    followed or overwritten. The source is opened without following a link.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    out = os.open(temp, flags, 0o644)
+    try:
+        src = os.open(reference, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            size = os.fstat(src).st_size
+            ByteCopier().copy(src, 0, out, 0, size)
+        finally:
+            os.close(src)
+        return os.fstat(out).st_ino
+    finally:
+        os.close(out)
 
 
-def create_skeleton(
-    temp: Path, reference: Path, modes: dict[str, str], rows: dict[str, int]
-) -> dict[str, tuple[list[int], bytes]]:
-    """Write the output skeleton to ``temp`` from ``reference``.
+def _holds_references(out: h5py.File) -> bool:
+    """Whether any attribute or dataset of the file holds references (to any object)."""
+    found = False
 
-    Groups, attributes and fixed datasets are copied; raw-mode extensible
-    datasets are created with all their chunks allocated; the others are
-    left to the merge step. Returns, for each raw dataset, its chunk
-    offsets and fill bytes.
+    def visit(name: bytes, info: h5o._ObjInfo) -> int | None:
+        nonlocal found
+        obj = h5o.open(out.id, name)
+        for index in range(h5a.get_num_attrs(obj)):
+            if has_reference(h5a.open(obj, index=index).get_type()):
+                found = True
+                return 1
+        if info.type == h5o.TYPE_DATASET and has_reference(obj.get_type()):
+            found = True
+            return 1
+        return None
+
+    h5o.visit(out.id, visit, info=True)
+    return found
+
+
+def _recreatable(dataset: h5py.Dataset, file_has_references: bool) -> bool:
+    """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time."""
+    if file_has_references or h5o.get_info(dataset.id).rc != 1:
+        return False
+    if dataset.id.get_create_plist().get_obj_track_times():
+        return False
+    for index in range(h5a.get_num_attrs(dataset.id)):
+        if is_variable(h5a.open(dataset.id, index=index).get_type()):
+            return False
+    return True
+
+
+def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
+    """Replace dataset ``name`` by an identical one of ``rows`` rows, every chunk allocated."""
+    old = out[name]
+    parent_name, _, leaf = name.rpartition("/")
+    parent = out[parent_name or "/"]
+    lcpl = h5p.create(h5p.LINK_CREATE)
+    lcpl.set_char_encoding(h5l.get_info(parent.id, leaf.encode()).cset)
+    dcpl = old.id.get_create_plist()
+    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
+    tid = old.id.get_type()
+    maxdims = old.id.get_space().get_simple_extent_dims(True)
+    space = h5s.create_simple((rows, *old.shape[1:]), maxdims)
+    staging = f".chkq-new-{leaf}".encode()
+    dsid = h5d.create(parent.id, staging, tid, space, dcpl=dcpl, lcpl=lcpl)
+    copy_attributes(old, h5py.Dataset(dsid))
+    del parent[leaf]
+    h5l.move(parent.id, staging, parent.id, leaf.encode(), lcpl=lcpl)
+    return dsid
+
+
+def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
+    """Make HDF5 allocate every chunk of a dataset by writing zero bytes over all its rows."""
+    shape = dsid.shape
+    tid = dsid.get_type()
+    row_elems = int(np.prod(shape[1:], dtype=np.int64))
+    step = max(1, ALLOCATE_BYTES // max(1, row_elems * tid.get_size()))
+    block = np.zeros((min(step, max(shape[0], 1)), *shape[1:]),
+                     dtype=opaque_dtype(tid))
+    for start in range(0, shape[0], step):
+        count = min(step, shape[0] - start)
+        fspace = dsid.get_space()
+        fspace.select_hyperslab((start,) + (0,) * (len(shape) - 1), (count, *shape[1:]))
+        dsid.write(h5s.create_simple((count, *shape[1:])), fspace, block[:count], mtype=tid)
+
+
+def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
+                    raw: set[str]) -> tuple[dict[str, list[int]], int]:
+    """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
+
+    Parameters
+    ----------
+    rows
+        Total rows of every extensible dataset.
+    raw
+        The raw-mode datasets, whose chunks must all be allocated.
+
+    Returns
+    -------
+    For each raw-mode dataset, the file offset of every chunk; and the
+    inode of the temporary output.
 
     Raises
     ------
     FileExistsError
-        If ``temp`` exists.
+        If ``temp`` exists (or is a symbolic link).
     """
-    layout: dict[str, tuple[list[int], bytes]] = {}
-    with h5py.File(reference, "r") as src, h5py.File(temp, "w-") as out:
-        copy_attributes(src, out)
-        names: list[str] = []
-        src.visit(names.append)
-        for name in names:
-            obj = src[name]
-            if isinstance(obj, h5py.Group):
-                copy_attributes(obj, out.create_group(name))
-            elif name in modes:
-                if modes[name] == "raw":
-                    dataset = create_extensible(out, name, obj, rows[name], early=True)
-                    layout[name] = (chunk_offsets(dataset), fill_bytes(dataset))
-            elif isinstance(obj, h5py.Dataset):
-                h5o.copy(src.id, name.encode(), out.id, name.encode(),
-                         lcpl=_lcpl())
-    return layout
-
-
-def _lcpl() -> h5p.PropLCID:
-    lcpl = h5p.create(h5p.LINK_CREATE)
-    lcpl.set_create_intermediate_group(True)
-    return lcpl
+    inode = copy_template(reference, temp)
+    layout: dict[str, list[int]] = {}
+    with h5py.File(temp, "r+") as out:
+        if os.fstat(out.id.get_vfd_handle()).st_ino != inode:
+            raise FileExistsError(f"{str(temp)!r} was replaced while the job created it")
+        has_references = _holds_references(out) if raw else False
+        for name, total in rows.items():
+            dataset = out[name]
+            if name in raw and _recreatable(dataset, has_references):
+                dsid = _recreate_early(out, name, total)
+            else:
+                dsid = dataset.id
+                dataset.resize(total, axis=0)
+                early = dsid.get_create_plist().get_alloc_time() == h5d.ALLOC_TIME_EARLY
+                if name in raw and not early:
+                    _allocate_by_writing(dsid)
+            if name in raw:
+                layout[name] = chunk_offsets(dsid)
+    return layout, inode

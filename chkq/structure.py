@@ -13,30 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
-import numpy as np
-from h5py import h5a, h5d, h5f, h5o, h5s, h5t
+from h5py import h5a, h5d, h5f, h5o, h5s, h5t, h5z
+
+from chkq.h5types import element_count, type_key
 
 COMPLETE_ATTR = "trials_completed"
 MAX_LISTED_DIFFERENCES = 5
-
-
-def type_signature(tid: h5py.h5t.TypeID) -> str:
-    """A string that is equal for two HDF5 types exactly when they store data alike.
-
-    The numpy dtype alone misses string padding and character set, which
-    chkq must keep (slug's NULLTERM ``S128`` column), so they are added.
-    """
-    parts = [str(tid.dtype.descr if tid.dtype.fields else tid.dtype.str), str(tid.get_size())]
-    if isinstance(tid, h5t.TypeStringID):
-        parts += [
-            f"vlen={tid.is_variable_str()}",
-            f"pad={tid.get_strpad()}",
-            f"cset={tid.get_cset()}",
-        ]
-    vlen = h5py.check_vlen_dtype(tid.dtype)
-    if vlen is not None:
-        parts.append(f"vlen-of={vlen}")
-    return "|".join(parts)
 
 
 def is_extensible(dataset: h5py.Dataset) -> bool:
@@ -99,14 +81,55 @@ def open_checkpoint_id(path: Path) -> h5f.FileID:
 
 _SIGNATURES: dict[bytes, str] = {}
 
+#: Most a deflate-like filter can shrink data (zlib's limit is about 1032:1); a file that
+#: declares more rows than its stored bytes could hold at that ratio is refused.
+MAX_FILTER_RATIO = 1100
+
 
 def _signature_of(tid: h5t.TypeID) -> str:
-    """``type_signature`` cached by the type's binary encoding (equal encoding, equal type)."""
+    """``type_key`` cached by the type's binary encoding (equal encoding, equal type)."""
     key = tid.encode()
     found = _SIGNATURES.get(key)
     if found is None:
-        found = _SIGNATURES[key] = type_signature(tid)
+        found = _SIGNATURES[key] = type_key(tid)
     return found
+
+
+def check_storage(path: Path, name: str, dsid: h5d.DatasetID, extensible: bool) -> None:
+    """Refuse a dataset chkq cannot copy exactly, or one declaring rows it does not hold.
+
+    External storage and virtual datasets keep their data outside the file
+    (possibly outside the run); a filter without a plugin cannot be decoded;
+    a dataset that declares far more rows than its stored bytes could hold
+    would make chkq allocate and copy data that does not exist.
+    """
+    dcpl = dsid.get_create_plist()
+    where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
+    if dcpl.get_layout() == h5d.VIRTUAL:
+        raise ValueError(f"{where} is a virtual dataset (its data lives in other files): "
+                         "chkq does not consolidate virtual datasets")
+    if dcpl.get_external_count() > 0:
+        raise ValueError(f"{where} stores its data in external files: chkq does not "
+                         "consolidate external storage")
+    if not extensible:
+        return
+    filtered = dcpl.get_nfilters() > 0
+    for index in range(dcpl.get_nfilters()):
+        code, _flags, _values, label = dcpl.get_filter(index)
+        if not h5z.filter_avail(code):
+            text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
+            raise ValueError(f"{where} uses filter {code} ({text or 'unnamed'}), which no "
+                             "installed plugin can decode")
+    space = dsid.get_space()
+    declared = dsid.get_type().get_size() * element_count(space.shape)
+    if declared == 0 or dcpl.get_layout() != h5d.CHUNKED:
+        return
+    chunk_bytes = dsid.get_type().get_size() * element_count(dcpl.get_chunk())
+    stored = dsid.get_storage_size()
+    limit = (stored * MAX_FILTER_RATIO if filtered else stored) + chunk_bytes
+    if declared > limit:
+        raise ValueError(f"{where} declares {space.shape[0]} rows ({declared} bytes) but "
+                         f"stores only {stored} bytes: the file is damaged or forged")
 
 
 def scan_file(path: Path) -> FileScan:
@@ -144,15 +167,23 @@ def scan_file(path: Path) -> FileScan:
                 elif kind == h5o.TYPE_DATASET:
                     dsid = h5d.open(fid, raw)
                     space = dsid.get_space()
-                    maxdims = space.get_simple_extent_dims(True) if space.shape else ()
-                    if any(m == h5s.UNLIMITED for m in maxdims):
+                    maxdims: tuple[int, ...] = (
+                        space.get_simple_extent_dims(True) if space.shape else ())
+                    extensible = any(m == h5s.UNLIMITED for m in maxdims)
+                    check_storage(path, name, dsid, extensible)
+                    if extensible:
+                        if maxdims[0] != h5s.UNLIMITED:
+                            raise ValueError(
+                                f"dataset '/{name}' of checkpoint file {str(path)!r} is "
+                                "unlimited along another axis than the first: chkq "
+                                "concatenates rows along the first axis only")
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(dsid.get_type())
                         scan.objects[name] = f"extensible {signature} {trailing}"
                         scan.rows[name] = int(space.shape[0])
                     else:
                         scan.objects[name] = "fixed"
-        except (OSError, RuntimeError, KeyError) as exc:
+        except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
     finally:
         fid.close()
@@ -203,8 +234,3 @@ def check_same_structure(scans: list[FileScan]) -> None:
                 f"checkpoint file {str(scan.path)!r} differs in structure from "
                 f"{str(reference.path)!r}: {shown}{tail}"
             )
-
-
-def row_bytes(dataset: h5py.Dataset) -> int:
-    """Bytes one row of ``dataset`` takes in memory."""
-    return int(dataset.dtype.itemsize * int(np.prod(dataset.shape[1:], dtype=np.int64)))

@@ -1,25 +1,31 @@
 """Verifying the written output against the checkpoint files, bit for bit.
 
 Every row of every extensible dataset is read back from the output file
-and compared with the row read from its checkpoint file. Rows compare as
-raw bytes, so NaNs in the same places (with the same bits) are equal.
+and compared with the row read from its checkpoint file. Rows of
+fixed-size types compare as the bytes of the file type (so NaNs in the
+same places, with the same bits, are equal, and nothing numpy cannot
+express is lost); variable-length rows compare by value, references by
+the name of the object they point to.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d
+from h5py import h5d, h5r
 
-from chkq.copy_rows import check_unchanged
+from chkq.copy_rows import open_source
 from chkq.errors import OutputMismatchError
+from chkq.h5types import is_variable
 from chkq.plan import DatasetPlan, Plan
 from chkq.rowio import as_bytes, block_rows, read_into, read_rows, same_bytes
+from chkq.stamps import check_descriptor
 from chkq.structure import open_checkpoint_id
 
 Progress = Callable[[int], None]
@@ -70,7 +76,7 @@ class OutputWindow:
 
     def __init__(self, dsid: h5d.DatasetID, d: DatasetPlan, capacity: int, end: int) -> None:
         self.dsid, self.end = dsid, end
-        self.buffer = np.empty((capacity, *d.trailing), dtype=dsid.get_type().dtype)
+        self.buffer = np.empty((capacity, *d.trailing), dtype=f"V{d.element_size}")
         self.start = self.stop = 0
 
     def rows(self, start: int, stop: int) -> np.ndarray:
@@ -100,21 +106,20 @@ def window_rows(plan: Plan, first: int, stop: int) -> dict[int, int]:
 Digests = dict[int, list[tuple[int, int, str]]]
 
 
-def load_digests(plan: Plan) -> dict[int, Digests]:
-    """SHA-256 digests taken while copying, by dataset and file, for ``chunks`` datasets.
+def digests_by_dataset(copy_results: dict[int, list[list[Any]]], plan: Plan) -> dict[int, Digests]:
+    """Digests taken while copying, by dataset and file, from the copy units' recorded results.
 
-    A dataset is listed only if every one of its copy units left its digests;
-    the others are compared with their sources directly.
+    A ``chunks`` dataset is listed only if every one of its copy units
+    recorded its digests; the others are compared with their sources.
     """
     found: dict[int, Digests] = {}
     incomplete: set[int] = set()
-    for unit in plan.copy_units:
+    for number, unit in enumerate(plan.copy_units):
         index = unit.pieces[0][0]
         if unit.part is None or plan.datasets[index].mode != "chunks":
             continue
-        try:
-            entries = json.loads(plan.job.digests(unit.part).read_text())
-        except (FileNotFoundError, ValueError):
+        entries = copy_results.get(number)
+        if entries is None:
             incomplete.add(index)
             continue
         by_file = found.setdefault(index, {})
@@ -123,13 +128,14 @@ def load_digests(plan: Plan) -> dict[int, Digests]:
     for index in incomplete:
         found.pop(index, None)
     for by_file in found.values():
-        for entries in by_file.values():
-            entries.sort()
+        for listed in by_file.values():
+            listed.sort()
     return found
 
 
 def verify_files(
-    plan: Plan, first: int, stop: int, progress: Progress | None = None
+    plan: Plan, first: int, stop: int, digests: dict[int, Digests] | None = None,
+    progress: Progress | None = None,
 ) -> VerifyStats:
     """Compare the output's rows from files ``[first, stop)`` with those files.
 
@@ -144,22 +150,21 @@ def verify_files(
         Naming the dataset, the output row and the checkpoint file at fault.
     """
     stats = VerifyStats()
+    digests = digests or {}
     out = open_checkpoint_id(plan.job.temp)
     try:
+        check_descriptor(plan.job.temp, out.get_vfd_handle(), plan.temp_inode)
         outputs = [h5d.open(out, d.name.encode()) for d in plan.datasets]
-        plain = [not outputs[i].get_type().dtype.hasobject
-                 and outputs[i].get_type().get_size() == outputs[i].get_type().dtype.itemsize
-                 for i in range(len(plan.datasets))]
+        plain = [not is_variable(o.get_type()) for o in outputs]
         capacity = window_rows(plan, first, stop)
-        digests = load_digests(plan)
         windows = {i: OutputWindow(outputs[i], d, capacity[i], d.offsets[stop])
                    for i, d in enumerate(plan.datasets)
                    if plain[i] and d.total and i not in digests}
         sources = {i: np.empty_like(w.buffer) for i, w in windows.items()}
         high_level = None
         for file_index in range(first, stop):
-            path = check_unchanged(plan, file_index)
-            fid = open_checkpoint_id(path)
+            path = plan.file_path(file_index)
+            fid, fd = open_source(plan, file_index)
             try:
                 stats.files += 1
                 for i, d in enumerate(plan.datasets):
@@ -183,6 +188,7 @@ def verify_files(
                         progress(stats.rows)
             finally:
                 fid.close()
+                os.close(fd)
         if high_level is not None:
             high_level.close()
     finally:
@@ -226,17 +232,22 @@ def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
         raise OutputMismatchError(
             f"the digests of dataset {d.name!r} do not cover the rows of checkpoint file "
             f"{str(path)!r}: its copy is incomplete")
-    step = block_rows(d.row_bytes, plan.block_bytes // 2)
+    step = block_rows(d.row_bytes, plan.block_bytes // 4)
+    actual = np.empty((min(step, max(end - start, 1)), *d.trailing), dtype=f"V{d.element_size}")
+    expected_rows = np.empty_like(actual)
     for a, b, expected in entries:
         digest = hashlib.sha256()
         for lo in range(a, b, step):
-            digest.update(as_bytes(read_rows(output, lo, min(b, lo + step))))
+            rows = actual[:min(b, lo + step) - lo]
+            read_into(output.id, lo, rows)
+            digest.update(as_bytes(rows))
         if digest.hexdigest() == expected:
             continue
         for lo in range(a, b, step):
             hi = min(b, lo + step)
-            bad = first_difference(read_rows(source, lo - start, hi - start),
-                                   read_rows(output, lo, hi))
+            read_into(source.id, lo - start, expected_rows[:hi - lo])
+            read_into(output.id, lo, actual[:hi - lo])
+            bad = first_difference(expected_rows[:hi - lo], actual[:hi - lo])
             if bad is not None:
                 _mismatch(d, lo + bad, lo - start + bad, path)
         raise OutputMismatchError(
@@ -247,11 +258,32 @@ def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
 def _compare_objects(plan: Plan, d: DatasetPlan, source: h5py.Dataset, output: h5py.Dataset,
                      start: int, end: int, path: object) -> None:
     """Compare rows of variable-length data element by element, through h5py."""
-    step = block_rows(d.row_bytes, plan.block_bytes // 2)
+    step = min(65536, block_rows(d.row_bytes, plan.block_bytes // 2))
     for lo in range(0, end - start, step):
         hi = min(end - start, lo + step)
-        expected = read_rows(source, lo, hi)
-        actual = read_rows(output, start + lo, start + hi)
+        expected = comparable(read_rows(source, lo, hi), source.file)
+        actual = comparable(read_rows(output, start + lo, start + hi), output.file)
         bad = first_difference(expected, actual)
         if bad is not None:
             _mismatch(d, start + lo + bad, lo + bad, path)
+
+
+def comparable(rows: np.ndarray, file: h5py.File) -> np.ndarray:
+    """Rows as values that compare equal across files: references become target names."""
+    if rows.dtype.kind != "O" or h5py.check_ref_dtype(rows.dtype) is None:
+        return rows
+    result = np.empty(rows.shape, dtype=object)
+    flat, target = rows.reshape(-1), result.reshape(-1)
+    for i, ref in enumerate(flat):
+        target[i] = _target(ref, file)
+    return result
+
+
+def _target(ref: Any, file: h5py.File) -> str:
+    if not ref:
+        return ""
+    name = file[ref].name or "<anonymous>"
+    if isinstance(ref, h5py.RegionReference):
+        region = h5r.get_region(ref, file.id)
+        return f"{name}[{region.get_select_bounds()}:{region.get_select_npoints()}]"
+    return name

@@ -3,30 +3,33 @@
 ::
 
     chkq.plan ──► chord(chkq.copy × units) ──► chkq.merge
-              ──► chord(chkq.verify × file batches) ──► chkq.link (id = job id)
+              ──► chord(chkq.verify × (file batches + whole-output check)) ──► chkq.link
 
 Every task takes only ``out_dir``, ``model``, ``job`` and a unit number (plus
-names for people reading Flower), reads the job's plan from the output
-directory, and can run again without harm: copies rewrite the same bytes,
-verification re-reads, merge replaces what it merged, link recognises its
-own link. Task and group ids are derived from the job id, so a step
-delivered twice launches the same tasks, which the chord counts once.
+names for people reading Flower), reads the job's plan from the result
+backend (never from the run directory), and can run again without harm:
+copies rewrite the same bytes, verification re-reads, merge is recorded
+once, link recognises its own output. Task and group ids are derived from
+the job id, so a step delivered twice launches the same tasks, which the
+chord counts once. Each step records what it did in the job's state
+(:mod:`chkq.tasks.protocol`), and the link publishes only what those
+records prove.
 
 The job's result lives under the job id, the id of ``chkq.link``: success
 is the output path; any failure, anywhere, runs ``chkq.fail``, which
-removes the job's temporaries (never a checkpoint) and stores the root
-cause under the job id.
+removes the job's temporaries (never a checkpoint), records the failure as
+data, and stores the root cause under the job id.
 """
 
 from __future__ import annotations
 
 import logging
-import re
+import os
 from pathlib import Path
 from typing import Any
 
 from celery import chord, group, signature
-from celery.exceptions import ChordError, TaskRevokedError
+from celery.exceptions import ChordError, Ignore, TaskRevokedError
 from celery.result import AsyncResult
 
 from chkq.access import check_allowed
@@ -34,37 +37,45 @@ from chkq.config.celery_app import app, settings
 from chkq.copy_rows import copy_unit
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
-from chkq.merge import merge_parts
+from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
-from chkq.plan import Plan, load_plan
+from chkq.output_check import check_output
+from chkq.plan import Plan
 from chkq.planner import prepare
+from chkq.stamps import check_unchanged
+from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
 from chkq.tasks.jobs import finished_result, record_finished
-from chkq.verify_rows import verify_files
+from chkq.tasks.protocol import task_id
+from chkq.verify_rows import digests_by_dataset, verify_files
 
 log = logging.getLogger("chkq.tasks")
 
-_DEPENDENCY = re.compile(r"Dependency (\S+) raised")
+__all__ = ["consolidation_signature", "root_cause", "task_id"]
 
 
-def task_id(job: str, step: str, unit: int | None = None) -> str:
-    """The id of one step of a job: ``JOB-plan``, ``JOB-copy-3``... (link: ``JOB``)."""
-    return job if step == "link" else f"{job}-{step}" + ("" if unit is None else f"-{unit}")
+class UnprovenJobError(RuntimeError):
+    """The link step found a job whose records do not prove its output."""
 
 
 def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
-    """Validate a message's arguments before any file is touched."""
+    """Validate a message's arguments before any file is touched.
+
+    The directory is resolved (links, ``..``) and must lie inside the
+    allowed roots; every later path derives from the resolved directory.
+    """
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
         raise ValueError(f"output directory {out_dir!r} must be an absolute path")
     check_allowed(out_dir, settings.allowed_roots)
-    return check_out_dir(out_dir), check_model_name(model), check_job_id(job)
+    directory = check_out_dir(os.path.realpath(out_dir))
+    return directory, check_model_name(model), check_job_id(job)
 
 
 def _job_plan(task: ChkqTask, out_dir: str, model: str, job: str) -> Plan:
-    """Check a message's arguments, count its delivery, and read its job's plan."""
+    """Check a message's arguments, count its delivery, and read its job's recorded plan."""
     directory, model, job = _checked(out_dir, model, job)
     task.check_deliveries()
-    return load_plan(directory, model, job)
+    return protocol.load_plan(job, str(directory), model)
 
 
 def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
@@ -86,8 +97,11 @@ def describe_unit(plan: Plan, index: int) -> dict[str, Any]:
     return {"datasets": names[:8] + (["..."] if len(names) > 8 else []), "rows": rows}
 
 
-def describe_files(plan: Plan, first: int, stop: int) -> list[str]:
+def describe_files(plan: Plan, unit: int) -> list[str]:
     """The checkpoint files of a verify unit, named relative to the run directory."""
+    if unit == len(plan.verify_units):
+        return ["(whole-output check)"]
+    first, stop = plan.verify_units[unit]
     names = [str(Path(plan.files[i][0]).relative_to(plan.out_dir)) for i in range(first, stop)]
     return names if len(names) <= 4 else [names[0], "...", names[-1]]
 
@@ -111,16 +125,16 @@ def launch_copies(plan: Plan) -> None:
 
 
 def launch_verification(plan: Plan) -> None:
-    """Send the verify group, with link as its chord callback."""
+    """Send the verify group (file batches, then the whole-output check), link as callback."""
     job, out_dir, model = plan.job_id, plan.out_dir, plan.model
     link_sig = link.si(out_dir, model, job).set(
         task_id=task_id(job, "link"), link_error=[_fail_signature(out_dir, model, job)]
     )
     verifies = [
-        verify.si(out_dir, model, job, i, files=describe_files(plan, first, stop)).set(
+        verify.si(out_dir, model, job, i, files=describe_files(plan, i)).set(
             task_id=task_id(job, "verify", i)
         )
-        for i, (first, stop) in enumerate(plan.verify_units)
+        for i in range(protocol.verify_unit_count(plan))
     ]
     chord(group(verifies).set(task_id=task_id(job, "verifies")), link_sig).apply_async()
 
@@ -128,16 +142,18 @@ def launch_verification(plan: Plan) -> None:
 @app.task(name="chkq.plan", bind=True, base=ChkqTask)
 def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
              cleanup: bool = False) -> dict[str, Any]:
-    """Check the run, write the skeleton and the plan, and launch the copies."""
+    """Check the run, write the skeleton, record the plan, and launch the copies."""
     directory, model, job = _checked(out_dir, model, job)
     if not isinstance(cleanup, bool):
         raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
     self.check_deliveries()
     with Timer("chkq.plan", job, model=model, out_dir=directory) as timer:
-        plan = prepare(
-            directory, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
-            task_bytes=settings.task_bytes, task_files=settings.task_files,
-        )
+        plan = protocol.recorded_plan(job)
+        if plan is None:
+            plan = protocol.store_plan(prepare(
+                directory, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
+                task_bytes=settings.task_bytes, task_files=settings.task_files,
+            ))
         summary = {
             "model": model,
             "out_dir": str(directory),
@@ -145,7 +161,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
             "datasets": len(plan.datasets),
             "rows": plan.total_rows,
             "copy_units": len(plan.copy_units),
-            "verify_units": len(plan.verify_units),
+            "verify_units": protocol.verify_unit_count(plan),
         }
         timer.result = {"files": len(plan.files), "rows": plan.total_rows,
                         "bytes": sum(d.total * d.row_bytes for d in plan.datasets)}
@@ -159,11 +175,14 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     """Copy one unit of rows into the output (raw chunks or a part file)."""
     plan = _job_plan(self, out_dir, model, job)
     unit = _checked_unit(unit, len(plan.copy_units), job, "copy")
+    if protocol.merged(job) is not None:
+        raise Ignore()
     total = describe_unit(plan, unit)["rows"]
     datasets = ",".join(what.get("datasets", []))
     with Timer("chkq.copy", job, model=model, unit=unit, datasets=datasets) as timer:
         stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job,
                                                                kind="copy"))
+        protocol.record_copied(job, unit, stats.digests)
         timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
     self.report(stats.rows, stats.rows, job=job, kind="copy")
     return {"rows": stats.rows, "bytes": stats.bytes}
@@ -171,10 +190,18 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
 
 @app.task(name="chkq.merge", bind=True, base=ChkqTask)
 def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
-    """Move part files into the output, make it durable, launch verification."""
+    """Move part files into the output, make it durable, record it, launch verification."""
     plan = _job_plan(self, out_dir, model, job)
+    moved = 0
     with Timer("chkq.merge", job, model=model) as timer:
-        moved = merge_parts(plan)
+        if protocol.merged(job) is None:
+            gaps = [u for u in range(len(plan.copy_units)) if u not in protocol.copied(job)]
+            if gaps:
+                raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
+                                       "did not finish")
+            moved = merge_parts(plan)
+            protocol.record_merged(plan)
+            remove_parts(plan)
         timer.result = {"bytes": moved}
         launch_verification(plan)
     return {"bytes": moved}
@@ -183,40 +210,80 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
 @app.task(name="chkq.verify", bind=True, base=ChkqTask)
 def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
            **what: Any) -> dict[str, Any]:
-    """Read back the output rows of a batch of files and compare them with the files."""
+    """Verify the output: the rows of a batch of files, or (last unit) the whole structure."""
     plan = _job_plan(self, out_dir, model, job)
-    unit = _checked_unit(unit, len(plan.verify_units), job, "verify")
+    unit = _checked_unit(unit, protocol.verify_unit_count(plan), job, "verify")
+    stamp = protocol.merged(job)
+    if stamp is None:
+        raise UnprovenJobError(f"job {job} cannot be verified before its merge finished")
+    if unit == len(plan.verify_units):
+        return _verify_structure(plan, stamp)
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
     names = ",".join(what.get("files", []))
+    digests = digests_by_dataset(protocol.copied(job), plan)
     with Timer("chkq.verify", job, model=model, unit=unit, files=names) as timer:
-        stats = verify_files(plan, first, stop,
+        stats = verify_files(plan, first, stop, digests,
                              lambda done: self.report(done, total, job=job, kind="verify"))
+        protocol.record_verified(plan, unit, _still(plan, stamp))
         timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
     self.report(stats.rows, stats.rows, job=job, kind="verify")
     return {"rows": stats.rows, "bytes": stats.bytes}
 
 
+def _still(plan: Plan, stamp: list[int]) -> list[int]:
+    """``stamp`` if the output still has it (it was not changed while being verified)."""
+    if protocol.output_stamp(plan) != stamp:
+        raise UnprovenJobError(f"the output of job {plan.job_id} changed while it was verified")
+    return stamp
+
+
+def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
+    """Check the whole output against its template (links, types, attributes, fixed data)."""
+    reference = plan.files.index(next(f for f in plan.files if f[0] == plan.reference_file))
+    with Timer("chkq.verify", plan.job_id, model=plan.model, unit="structure") as timer:
+        check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+        check_output(plan.job.temp, Path(plan.reference_file),
+                     rows={d.name: d.total for d in plan.datasets},
+                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
+        check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+        protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
+        timer.result = {"structure": "ok"}
+    return {"structure": "ok"}
+
+
 @app.task(name="chkq.link", bind=True, base=ChkqTask)
 def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
-    """Link the verified output into place (create-if-absent) and clean up."""
+    """Publish the verified output (create-if-absent) and clean up — only if proven.
+
+    A link message for a job whose records are incomplete (an early,
+    forged or replayed message) publishes nothing, deletes nothing and
+    stores nothing under the job id: the job goes on (or has failed) as it
+    would have. Records that are complete but disagree with the output as
+    it is now (it changed after verification) fail the job.
+    """
     directory, model, job = _checked(out_dir, model, job)
     self.check_deliveries()
     done = finished_result(job)
     if done is not None:
         return done
+    plan = protocol.load_plan(job, str(directory), model)
+    gaps = protocol.proof_gaps(plan)
+    if any("did not finish" in gap for gap in gaps):
+        log.warning("job=%s link refused, nothing published: %s", job, "; ".join(gaps))
+        raise Ignore()
+    if gaps:
+        raise UnprovenJobError(f"job {job} was not published: " + "; ".join(gaps))
     files = JobFiles(directory, model, job)
-    plan = load_plan(directory, model, job)
     with Timer("chkq.link", job, model=model) as timer:
         output = link_output(plan)
         warnings = remove_checkpoints(plan) if plan.cleanup else []
         result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
-                  "warnings": warnings}
+                  "bytes": output.stat().st_size, "warnings": warnings}
         record_finished(job, result)
-        files.plan.unlink(missing_ok=True)
         discard_job_files(files)
-        timer.result = {"output": output, "rows": plan.total_rows,
-                        "bytes": output.stat().st_size}
+        protocol.forget_progress(job)
+        timer.result = {"output": output, "rows": plan.total_rows, "bytes": result["bytes"]}
     return result
 
 
@@ -224,10 +291,10 @@ def root_cause(exc: BaseException) -> BaseException:
     """The exception a header task raised, when ``exc`` is the ChordError wrapping it."""
     seen = 0
     while isinstance(exc, ChordError) and seen < 4:
-        match = _DEPENDENCY.search(str(exc))
-        if not match:
+        words = str(exc).split()
+        if len(words) < 2 or words[0] != "Dependency":
             break
-        inner = AsyncResult(match.group(1), app=app).result
+        inner = AsyncResult(words[1], app=app).result
         if not isinstance(inner, BaseException):
             break
         exc, seen = inner, seen + 1
@@ -252,23 +319,39 @@ def explained(cause: BaseException, job: str) -> BaseException:
     return cause
 
 
-@app.task(name="chkq.fail")
+@app.task(name="chkq.fail", base=ChkqTask)
 def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: str,
          job: str) -> None:
     """Errback of every step: remove the job's temporaries, record the root cause.
 
     Checkpoints are never touched. The job's result (its id) is set to the
     failure unless the job already succeeded (a late, redelivered step).
+    The failure is recorded even when the message's own arguments are what
+    failed (a directory outside the allowed roots, say), so no client waits
+    for ever; the temporaries are then left alone, since the arguments
+    cannot be trusted to name them.
     """
-    directory, model, job = _checked(out_dir, model, job)
-    cause = explained(root_cause(exc), job)
-    files = JobFiles(directory, model, job)
-    if files.linked.exists() or finished_result(job) is not None:
-        log.warning("job=%s failure after link ignored: %r", job, cause)
+    try:
+        job = check_job_id(job)
+    except ValueError:
+        log.warning("chkq.fail for an invalid job id %r ignored", job)
         return
-    removed = discard_job_files(files)
-    log.error("fail task=chkq.job job=%s model=%s error=%r removed=%d", job, model, cause,
-              len(removed))
+    cause = explained(root_cause(exc), job)
+    if finished_result(job) is not None or protocol.failure(job) is not None:
+        log.warning("job=%s failure after the job ended ignored: %r", job, cause)
+        return
+    step = getattr(request, "task", None) or "chkq.job"
+    removed: list[Path] = []
+    try:
+        directory, model, job = _checked(out_dir, model, job)
+    except (ValueError, OSError) as bad:
+        log.warning("job=%s failed; its temporaries were left: %s", job, bad)
+    else:
+        removed = discard_job_files(JobFiles(directory, model, job))
+    protocol.record_failed(job, step, cause)
+    protocol.forget_progress(job)
+    log.warning("fail task=chkq.job job=%s model=%s step=%s error=%r removed=%d", job, model,
+                step, cause, len(removed))
     app.backend.mark_as_failure(job, cause)
 
 

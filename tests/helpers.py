@@ -8,7 +8,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from chkq.structure import is_extensible, type_signature
+from chkq.h5types import type_key as type_signature
+from chkq.structure import is_extensible
 
 
 def snapshot(directory: Path) -> dict[str, str]:

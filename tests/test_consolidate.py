@@ -13,8 +13,8 @@ import pytest
 
 from chkq.config.routing import VERIFY_QUEUE
 from chkq.demo import RunShape, make_run, write_checkpoint_file
-from chkq.plan import load_plan
 from chkq.tasks.consolidate import task_id
+from chkq.tasks.protocol import copied, recorded_plan
 from chkq.workers.client import ConsolidationJob, submit_consolidation
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 from tests.plugins.cluster import WorkerProcess, consumers_paused
@@ -264,7 +264,7 @@ def test_verify_finds_a_corrupted_row(tmp_path: Path, worker: WorkerProcess) -> 
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
-        plan = load_plan(tmp_path, "run", job.id)
+        plan = recorded_plan(job.id)
         trial = next(d for d in plan.datasets if d.name == "galaxy/trial")
         with open(plan.job.temp, "r+b") as fh:
             fh.seek(trial.chunk_offsets[0] + 123 * trial.row_bytes)
@@ -280,7 +280,7 @@ def test_job_files_never_match_the_checkpoint_pattern(tmp_path: Path) -> None:
 
     job = JobFiles(tmp_path, "run", "0123456789abcdef")
     pattern = checkpoint_pattern("run")
-    for path in (job.temp, job.plan, job.linked, job.part(3)):
+    for path in (job.temp, job.part(3)):
         assert not pattern.fullmatch(path.name)
         assert path.name != "run.h5"
     assert os.path.dirname(job.temp) == str(tmp_path)
@@ -296,9 +296,9 @@ def test_verify_finds_a_changed_row_in_compressed_data(tmp_path: Path,
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
-        plan = load_plan(tmp_path, "run", job.id)
-        assert any(p.name.startswith(f".chkq-{job.id}") and ".digest" in p.name
-                   for p in tmp_path.iterdir())
+        plan = recorded_plan(job.id)
+        digests = [entry for unit in copied(job.id).values() for entry in unit]
+        assert digests and all(len(entry[3]) == 64 for entry in digests)
         with h5py.File(plan.job.temp, "r+") as out:
             out["galaxy/trial"][1234] = 7
     with pytest.raises(ValueError, match=r"row 1234 of dataset 'galaxy/trial'.*run_chk00003.h5"):

@@ -38,9 +38,9 @@ from chkq.config.routing import COPY_QUEUE, VERIFY_QUEUE
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError, OutputMismatchError
-from chkq.plan import load_plan
 from chkq.tasks.base import JobInterruptedError, PoisonMessageError, deliveries_key
 from chkq.tasks.consolidate import task_id
+from chkq.tasks.protocol import recorded_plan
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import ConsolidationJob, JobLostError, submit_consolidation
 from tests.helpers import assert_consolidated, snapshot
@@ -78,7 +78,7 @@ JOB_SECONDS = 40
 def slow_unit(job: ConsolidationJob, run: Path) -> int:
     """The copy unit of ``job`` that copies SLOW_DATASET (read from the job's plan)."""
     wait_for(lambda: state_of(job, "plan") == "SUCCESS", JOB_SECONDS, "the plan")
-    plan = load_plan(run, "run", job.id)
+    plan = recorded_plan(job.id)
     return next(n for n, unit in enumerate(plan.copy_units)
                 if any(plan.datasets[d].name == SLOW_DATASET for d, _, _ in unit.pieces))
 

@@ -1,0 +1,99 @@
+"""Identity of the files a job reads and writes, checked at every use.
+
+A run directory is writable by its owner, who is not trusted (SPEC "Trust
+model"): between planning and copying, a checkpoint could be rewritten in
+place (same size and inode, mtime restored) or replaced by a symbolic link
+to a file the worker may read and the owner may not. Each file a job uses
+is recorded when the job plans (size, mtime, ctime, inode, device; never
+through a symbolic link), and every later open checks the *opened*
+descriptor against that record, so a swap between check and open is
+caught too.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import astuple, dataclass
+from pathlib import Path
+
+from chkq.errors import CheckpointChangedError
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies one version of one file: size, times (ns), inode and device."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+    def as_list(self) -> list[int]:
+        return list(astuple(self))
+
+
+def stamp_of(path: str | Path) -> FileStamp:
+    """The stamp of a regular file, refusing a symbolic link or anything else.
+
+    Raises
+    ------
+    ValueError
+        If ``path`` is a symbolic link or not a regular file.
+    """
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
+                         "in a run directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{str(path)!r} is not a regular file")
+    return FileStamp.of(st)
+
+
+def check_same(path: str | Path, expected: FileStamp, st: os.stat_result, why: str) -> None:
+    """Raise CheckpointChangedError naming ``path`` unless ``st`` matches ``expected``."""
+    if not stat.S_ISREG(st.st_mode) or FileStamp.of(st) != expected:
+        raise CheckpointChangedError(f"file {str(path)!r} {why}")
+
+
+def check_unchanged(path: str | Path, expected: FileStamp, job: str) -> None:
+    """Raise CheckpointChangedError unless ``path`` (not followed) still has ``expected``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointChangedError(
+            f"checkpoint file {str(path)!r} disappeared while job {job} was running") from None
+    check_same(path, expected, st, f"changed while job {job} was running")
+
+
+def open_unchanged(path: str | Path, expected: FileStamp, job: str) -> int:
+    """Open ``path`` read-only, without following a link, if it is still ``expected``.
+
+    Returns the descriptor; the caller closes it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise CheckpointChangedError(
+            f"checkpoint file {str(path)!r} disappeared while job {job} was running") from None
+    except OSError as exc:
+        raise CheckpointChangedError(
+            f"checkpoint file {str(path)!r} cannot be opened as it was planned ({exc})") from None
+    try:
+        check_same(path, expected, os.fstat(fd), f"changed while job {job} was running")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_descriptor(path: str | Path, fd: int, inode: int) -> None:
+    """Raise CheckpointChangedError unless descriptor ``fd`` is the file of inode ``inode``."""
+    if os.fstat(fd).st_ino != inode:
+        raise CheckpointChangedError(
+            f"{str(path)!r} was replaced by another file while the job was using it")
