@@ -60,17 +60,19 @@ def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reprod
     files = sorted(out_dir.glob("sim_chk*/thread_*.h5"))
     assert len(files) == 8
     log = CheckpointLog(open_store(store), "r1")
-    records = log.manifest()
-    assert sorted(r.meta["name"] for r in records) == sorted(
+    entries = log.entries()
+    assert sorted(e.name for e in entries) == sorted(
         str(f.relative_to(out_dir)) for f in files), "each file committed exactly once"
-    by_name = {r.meta["name"]: r for r in records}
+    by_name = {e.name: e for e in entries}
+    records = {r.id: r for r in log.manifest()}
     for f in files:
-        record = by_name[str(f.relative_to(out_dir))]
-        assert log.load(record.id) == f.read_bytes(), f"{f} committed incomplete or changed"
+        entry = by_name[str(f.relative_to(out_dir))]
+        assert entry.model == "sim"
+        assert log.load(entry.id) == f.read_bytes(), f"{f} committed incomplete or changed"
     for writer in ("thread_0000.h5", "thread_0001.h5"):
         chain = [by_name[f"sim_chk{n:05d}/{writer}"] for n in range(1, 5)]
-        assert [r.step for r in chain] == [1, 2, 3, 4]
-        assert [r.parent for r in chain] == [None] + [r.id for r in chain[:-1]]
+        assert [e.step for e in chain] == [1, 2, 3, 4]
+        assert [records[e.id].parent for e in chain] == [None] + [e.id for e in chain[:-1]]
     output = out_dir / "sim.h5"
     assert_consolidated(output, files)
     assert f"{output}" in log_path.read_text()
@@ -89,3 +91,47 @@ def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reprod
         for name in names:
             if isinstance(a[name], h5py.Dataset):
                 assert np.asarray(a[name][()]).tobytes() == np.asarray(b[name][()]).tobytes()
+
+
+def test_watch_restores_byte_identical_files_under_every_name(
+    tmp_path: Path, worker: WorkerProcess
+) -> None:
+    """Issue #12: thread files with the same bytes (in one checkpoint directory and across
+    checkpoints) are committed by ``chkq watch`` and restored under every name."""
+    import shutil
+
+    from chkq.demo import RunShape, make_run
+
+    out_dir = tmp_path / "run"
+    make_run(out_dir, "sim", RunShape(checkpoints=2, writers=2, trials=20))
+    first = out_dir / "sim_chk00001" / "thread_0000.h5"
+    for twin in ("sim_chk00002/thread_0000.h5", "sim_chk00002/thread_0001.h5"):
+        shutil.copyfile(first, out_dir / twin)
+    files = sorted(out_dir.glob("sim_chk*/thread_*.h5"))
+    assert len({f.read_bytes() for f in files}) == 2
+    store = f"file://{tmp_path / 'store'}"
+    watch = subprocess.run(
+        [sys.executable, "-m", "chkq.workers.cli", "watch", str(out_dir), "sim",
+         "--store", store, "--run", "r1", "--idle", "1", "--interval", "0.2"],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert watch.returncode == 0, watch.stderr
+    assert len(enqueued_lines(watch.stdout)) == 4
+
+    back = tmp_path / "elsewhere"
+    restore = subprocess.run([sys.executable, "-m", "chkq.workers.cli", "log", "restore", store,
+                              "r1", str(back), "sim"], capture_output=True, text=True,
+                             timeout=TIMEOUT)
+    assert restore.returncode == 0, restore.stderr
+    restored = sorted(back.glob("sim_chk*/thread_*.h5"))
+    assert [p.relative_to(back) for p in restored] == [p.relative_to(out_dir) for p in files]
+    for f in files:
+        assert (back / f.relative_to(out_dir)).read_bytes() == f.read_bytes()
+    assert "restored 4 file(s)" in restore.stderr
+    listed = subprocess.run([sys.executable, "-m", "chkq.workers.cli", "log", "list", store,
+                             "r1"], capture_output=True, text=True, timeout=TIMEOUT)
+    assert listed.returncode == 0 and listed.stderr == ""
+    assert sum(line.count(" name=") for line in listed.stdout.splitlines()) == 4
+
+
+def enqueued_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("enqueued ")]

@@ -1,97 +1,262 @@
-"""``chkq log ...``: commit to, read from and tidy a run's checkpoint log.
+"""``chkq log ...``: commit to, read from, check and tidy a run's checkpoint log.
 
-``commit`` goes through a commit task (the embedded cluster when no broker
-is configured); the other commands read or tidy the store directly.
+Every command but ``commit`` works on the store directly, in this process:
+no task, no cluster. ``commit`` runs in this process too when no broker is
+configured (``CHKQ_BROKER_URL`` unset) and the store is a local directory
+(or ``memory://``), and otherwise goes through a commit task (the embedded
+cluster for S3/GCS stores with no broker). On success a command prints its
+result and nothing else; on failure one ``error: ...`` line (exit 1).
+
+Read-only commands (list, heads, lineage, pull, restore's reading, verify)
+never write to the store — a ``file://`` store is opened with
+``must_exist`` so not even its directory is created — and a store or run
+that does not exist is an error, not an empty answer.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from chkq.commits import resolve_id, restore_run
-from chkq.fsutil import write_durably
-from chkq.log import DEFAULT_GC_AGE, CheckpointLog, CheckpointRecord
+from chkq.commits import (
+    commit_bytes,
+    read_stable,
+    resolve_id,
+    restore_run,
+    write_output,
+)
+from chkq.log import (
+    DEFAULT_GC_AGE,
+    CheckpointLog,
+    CheckpointRecord,
+    NameEntry,
+    default_writer,
+    model_of_name,
+)
 from chkq.stores import open_store
 
+IN_PROCESS_SCHEMES = ("file", "memory")
+"""Stores ``chkq log commit`` writes to in this process when no broker is configured."""
 
-def _log(args: argparse.Namespace) -> CheckpointLog:
-    return CheckpointLog(open_store(args.store), args.run)
+
+class CommandError(Exception):
+    """A failure the command line reports as its one ``error:`` line."""
 
 
-def _line(record: CheckpointRecord) -> str:
+def _clean_errors(func: Callable[[argparse.Namespace], int]
+                  ) -> Callable[[argparse.Namespace], int]:
+    """Turn KeyError's quoted text and OSError's ``[Errno N]`` into plain one-line errors."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except KeyError as exc:
+            raise CommandError(str(exc.args[0]) if exc.args else "not found") from exc
+        except OSError as exc:
+            if exc.strerror and exc.filename is None and type(exc).__name__ in (
+                    "FileNotFoundError", "FileExistsError", "PermissionError",
+                    "SymlinkInStoreError"):
+                raise CommandError(exc.strerror) from exc
+            raise
+
+    return run
+
+
+def _open(args: argparse.Namespace, *, write: bool) -> CheckpointLog:
+    """The run's log; for reads, a ``file://`` store's directory is never created."""
+    store = open_store(args.store) if write else open_store(args.store, must_exist=True)
+    return CheckpointLog(store, args.run)
+
+
+def _existing(args: argparse.Namespace, *, write: bool = False) -> CheckpointLog:
+    """The run's log, which must exist: else a clear error naming the store or the run."""
+    log = _open(args, write=write)
+    if not log.exists():
+        log.store.check_available()
+        raise CommandError(f"run {log.run_id!r} not found in store {log.store.url}")
+    return log
+
+
+def _warn_malformed(log: CheckpointLog) -> None:
+    for key, why in sorted(log.malformed.items()):
+        print(f"warning: {key}: {why}", file=sys.stderr)
+
+
+def _names_by_id(entries: list[NameEntry]) -> dict[str, list[str]]:
+    names: dict[str, list[str]] = {}
+    for entry in entries:
+        found = names.setdefault(entry.id, [])
+        if entry.name not in found:
+            found.append(entry.name)
+    return names
+
+
+def _line(record: CheckpointRecord, names: dict[str, list[str]] | None = None) -> str:
     created = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-    name = record.meta.get("name", "") if record.meta else ""
     fields = [
         record.id, f"step={'' if record.step is None else record.step}",
         f"label={record.label or ''}", f"kind={record.kind}", f"depth={record.depth}",
         f"size={record.full_size}", f"stored={record.stored_size}", f"created={created}Z",
     ]
-    if name:
-        fields.append(f"name={name}")
+    fields.extend(f"name={name}" for name in (names or {}).get(record.id, []))
     return " ".join(fields)
 
 
-def cmd_commit(args: argparse.Namespace) -> int:
-    from chkq.workers.commits import commit_checkpoint
+def _commit_in_process(args: argparse.Namespace) -> bool:
+    scheme = urlsplit(args.store).scheme.lower()
+    return not os.environ.get("CHKQ_BROKER_URL") and scheme in IN_PROCESS_SCHEMES
 
+
+@_clean_errors
+def cmd_commit(args: argparse.Namespace) -> int:
     if args.parent and args.parent_head:
         raise ValueError("give --parent ID or --parent-head, not both")
-    parent = resolve_id(_log(args), args.parent) if args.parent else None
     path = Path(args.file).absolute()
+    name = args.name or path.name
+    model = args.model or model_of_name(name)
+    if _commit_in_process(args):
+        log = _open(args, write=True)
+        parent = resolve_id(log, args.parent) if args.parent else None
+        if not path.is_file():
+            raise CommandError(f"checkpoint file {str(path)!r} does not exist")
+        record = commit_bytes(
+            log, read_stable(path), parent=parent, parent_head=args.parent_head,
+            step=args.step, label=args.label, name=name, model=model,
+            writer=f"chkq log commit@{default_writer()}",
+        )
+        print(record.id)
+        return 0
+    from chkq.workers.commits import commit_checkpoint
+
+    parent = resolve_id(_existing(args), args.parent) if args.parent else None
     options: dict[str, Any] = {"parent": parent, "parent_head": args.parent_head,
-                               "step": args.step, "label": args.label}
-    options["name"] = args.name or path.name
+                               "step": args.step, "label": args.label, "name": name,
+                               "model": model}
     record = commit_checkpoint(args.store, args.run, path, **options)
     print(record.id)
     return 0
 
 
+@_clean_errors
 def cmd_list(args: argparse.Namespace) -> int:
-    for record in _log(args).manifest():
-        print(_line(record))
+    log = _existing(args)
+    records = log.manifest()
+    names = _names_by_id(log.entries(records))
+    for record in records:
+        print(_line(record, names))
+    _warn_malformed(log)
     return 0
 
 
+@_clean_errors
 def cmd_heads(args: argparse.Namespace) -> int:
-    for record in _log(args).heads():
-        print(_line(record))
+    log = _existing(args)
+    heads = log.heads()
+    names = _names_by_id(log.entries())
+    for record in heads:
+        print(_line(record, names))
+    _warn_malformed(log)
     return 0
 
 
+@_clean_errors
 def cmd_lineage(args: argparse.Namespace) -> int:
-    log = _log(args)
+    log = _existing(args)
     for record in log.lineage(resolve_id(log, args.id)):
         print(_line(record))
     return 0
 
 
+@_clean_errors
 def cmd_pull(args: argparse.Namespace) -> int:
-    log = _log(args)
+    log = _existing(args)
     data = log.load(resolve_id(log, args.id))
-    target = Path(args.output)
-    if str(target) == "-":
+    if str(args.output) == "-":
         sys.stdout.buffer.write(data)
         return 0
-    write_durably(target, data)
-    print(target)
+    print(write_output(args.output, data))
     return 0
 
 
+@_clean_errors
 def cmd_restore(args: argparse.Namespace) -> int:
-    for path in restore_run(_log(args), args.out_dir, args.model):
-        print(path)
+    log = _existing(args)
+    result = restore_run(log, args.out_dir, args.model,
+                         on_file=lambda path: print(path, flush=True))
+    _warn_malformed(log)
+    for name, why in result.failed:
+        print(f"warning: not restored: {name}: {why}", file=sys.stderr)
+    print(result.summary(), file=sys.stderr)
+    if result.failed:
+        name, why = result.failed[0]
+        raise CommandError(f"{len(result.failed)} file(s) not restored (first: {name}: {why})")
     return 0
 
 
+@_clean_errors
 def cmd_gc(args: argparse.Namespace) -> int:
-    removed = _log(args).gc(older_than=args.older_than)
+    log = _existing(args, write=True)
+    removed = log.gc(older_than=args.older_than)
     for key in removed:
         print(key)
     print(f"removed {len(removed)} unreferenced payload(s)", file=sys.stderr)
+    return 0
+
+
+class _Progress:
+    """One self-rewriting progress line on a terminal (stderr); silent elsewhere."""
+
+    def __init__(self) -> None:
+        self.enabled = sys.stderr.isatty()
+        self.width = 0
+        self.last = 0.0
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.1 and done != total):
+            return
+        self.last = now
+        line = f"verify: {phase} {done}/{total}"
+        self.width = max(self.width, len(line))
+        print("\r" + line.ljust(self.width), end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.enabled and self.width:
+            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
+
+
+@_clean_errors
+def cmd_verify(args: argparse.Namespace) -> int:
+    log = _existing(args)
+    progress = _Progress()
+    try:
+        report = log.verify(read_data=args.read_data, progress=progress)
+    finally:
+        progress.close()
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        for key, why in report.problems:
+            print(f"problem {key}: {why}")
+        for key in report.orphans:
+            print(f"orphan {key}")
+        decoded = (f", {report.decoded} rebuilt ({report.decoded_bytes} bytes)"
+                   if report.read_data else "")
+        print(f"{'ok' if report.ok else 'FAILED'}: {report.records} checkpoint(s){decoded}, "
+              f"{report.names} name(s), {report.head_copies} head copie(s), "
+              f"{len(report.problems)} problem(s), {len(report.orphans)} orphan(s)")
+    if not report.ok:
+        raise CommandError(f"verify found {len(report.problems)} problem(s) in run "
+                           f"{log.run_id!r} of {log.store.url}")
     return 0
 
 
@@ -116,6 +281,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label")
     p.add_argument("--name", help="name `chkq log restore` gives the file, relative to the "
                    "run directory (default: the file's name)")
+    p.add_argument("--model", help="the model the file belongs to (default: the one a "
+                   "MODEL_chkNNNNN name says, if any)")
     command("list", "every checkpoint, oldest first", cmd_list)
     command("heads", "checkpoints nothing was committed on", cmd_heads)
     p = command("lineage", "a checkpoint's ancestry, root first", cmd_lineage)
@@ -123,9 +290,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = command("pull", "write a checkpoint's verified bytes to a file", cmd_pull)
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True, help="file to write ('-': stdout)")
-    p = command("restore", "bring a run's checkpoints back under their names", cmd_restore)
+    p = command("restore", "bring a run's files back under their names", cmd_restore)
     p.add_argument("out_dir", type=Path)
-    p.add_argument("model", nargs="?", help="only this model's checkpoints")
+    p.add_argument("model", nargs="?", help="only this model's files")
     p = command("gc", "delete payloads no record points to", cmd_gc)
     p.add_argument("--older-than", type=float, default=DEFAULT_GC_AGE, metavar="SECONDS",
                    help=f"only payloads older than this (default {DEFAULT_GC_AGE:.0f})")
+    p = command("verify", "check that every checkpoint of the run can be restored; "
+                "exit 1 with a line per problem", cmd_verify)
+    p.add_argument("--read-data", action="store_true",
+                   help="also rebuild every checkpoint along its delta chain and check its id")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")

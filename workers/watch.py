@@ -49,9 +49,14 @@ def cluster_for(workers: int | None) -> Iterator[Any]:
         yield cluster
 
 
-def committed_names(log: CheckpointLog) -> dict[str, str]:
-    """Names of checkpoint files the log already holds, with their ids."""
-    return {r.meta["name"]: r.id for r in log.manifest() if r.meta and "name" in r.meta}
+def committed_names(log: CheckpointLog, model: str) -> dict[str, str]:
+    """Names of ``model``'s checkpoint files the log already holds, with their ids.
+
+    Read from the run's name entries (format-1 logs: from the records), so
+    a file whose bytes were already committed under another name still
+    counts as committed only once its own name is in the log.
+    """
+    return {name: entry.id for name, entry in log.files(model).items()}
 
 
 def run_finished(args: argparse.Namespace, idle_since: float) -> bool:
@@ -80,7 +85,7 @@ def watch(args: argparse.Namespace) -> int:
         print(f"enqueued {request.name} {request.checkpoint_id}", flush=True)
 
     with cluster_for(args.workers) as cluster:
-        watcher = Watcher(out_dir, model, committed_names(log), enqueue)
+        watcher = Watcher(out_dir, model, committed_names(log, model), enqueue)
         idle_since = time.monotonic()
         while True:
             if watcher.poll():

@@ -9,22 +9,32 @@ implement the underscore-prefixed hooks; the public methods validate keys
 once, here, so that no backend can be handed a key that escapes its root.
 
 The module also holds the single retry-with-backoff helper used by the
-network stores (S3 and GCS), so that both treat transient failures alike.
+network stores (S3 and GCS), so that both treat transient failures alike,
+and their bounded waits (:class:`StoreTimeouts`): every request has a
+connect and a read timeout, the client libraries' own retries are off, and
+one retry budget in seconds covers each whole operation, so that a store
+that stops answering fails with an error naming the store and the key in
+well under a minute instead of hanging a client for many (library retries
+nested inside chkq's).
 """
 
 from __future__ import annotations
 
 import builtins
 import logging
+import os
 import random
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
     "CheckpointStore",
     "InvalidKeyError",
+    "StoreNotFoundError",
+    "StoreTimeouts",
     "TransientStoreError",
     "retry_transient",
     "validate_key",
@@ -49,6 +59,68 @@ class TransientStoreError(OSError):
     Callers (e.g. Celery commit tasks) may retry later; nothing was left
     half-written, because every store write is atomic.
     """
+
+
+class StoreNotFoundError(LookupError):
+    """The store itself (its bucket or directory) does not exist."""
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {raw!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class StoreTimeouts:
+    """How long a network store waits, per request and per operation.
+
+    Attributes
+    ----------
+    connect
+        Seconds to establish a connection (``CHKQ_STORE_CONNECT_TIMEOUT``,
+        default 5).
+    read
+        Seconds to wait for any byte of an answer
+        (``CHKQ_STORE_READ_TIMEOUT``, default 15); a transfer that keeps
+        moving is never cut.
+    budget
+        Seconds one store operation may spend on retries of transient
+        failures (``CHKQ_STORE_RETRY_SECONDS``, default 20): no attempt
+        starts after it is spent, so an operation fails after at most
+        ``budget + connect + read`` seconds (40 by default).
+    """
+
+    connect: float = 5.0
+    read: float = 15.0
+    budget: float = 20.0
+
+    @classmethod
+    def from_env(cls) -> StoreTimeouts:
+        """Read the ``CHKQ_STORE_*`` variables (defaults for those unset).
+
+        Raises
+        ------
+        ValueError
+            If one is not a positive number.
+        """
+        return cls(
+            connect=_env_seconds("CHKQ_STORE_CONNECT_TIMEOUT", cls.connect),
+            read=_env_seconds("CHKQ_STORE_READ_TIMEOUT", cls.read),
+            budget=_env_seconds("CHKQ_STORE_RETRY_SECONDS", cls.budget),
+        )
+
+    @property
+    def worst_case(self) -> float:
+        """Longest an operation can take before it fails: the budget plus one attempt."""
+        return self.budget + self.connect + self.read
 
 
 def _key_problem(key: str) -> str | None:
@@ -138,27 +210,34 @@ def retry_transient(
     is_transient: Callable[[BaseException], bool],
     what: str,
     attempts: int = 8,
+    budget: float | None = None,
     initial_delay: float = 0.1,
     max_delay: float = 4.0,
 ) -> T:
     """Call ``operation`` and retry it with exponential backoff on transient errors.
 
-    The network clients already retry a few times on their own; this layer
-    adds patience (several seconds in total) so that a store that is briefly
+    This is the only retry layer: the stores turn the client libraries' own
+    retries off, so the patience of one operation is bounded here, by both
+    a number of attempts and a time budget, and a store that is briefly
     unreachable, throttling or answering 409 ConditionalRequestConflict does
-    not fail a commit.  Every store operation is idempotent or a conditional
-    create that recognises its own earlier success, so re-running it is safe.
+    not fail a commit while one that stopped answering fails in bounded
+    time.  Every store operation is idempotent or a conditional create that
+    recognises its own earlier success, so re-running it is safe.
 
     Parameters
     ----------
     operation
-        A zero-argument callable performing one attempt.
+        A zero-argument callable performing one attempt (whose requests
+        have their own connect and read timeouts).
     is_transient
         Classifies an exception: True means "retry", False means "re-raise now".
     what
-        Human-readable description (operation and key) for messages.
+        Human-readable description (store, operation and key) for messages.
     attempts
         Maximum number of calls.
+    budget
+        Seconds after the first call within which a retry may start (None:
+        no time bound); the wait before a retry never runs past it.
     initial_delay, max_delay
         Backoff bounds in seconds; each wait is drawn with jitter from
         ``[delay / 2, delay]`` and ``delay`` doubles up to ``max_delay``.
@@ -166,23 +245,36 @@ def retry_transient(
     Raises
     ------
     TransientStoreError
-        When every attempt failed transiently (chained to the last error).
+        When every attempt failed transiently, or the budget is spent
+        (chained to the last error); the message says what, how many
+        attempts and how long.
     """
     delay = initial_delay
+    start = time.monotonic()
     for attempt in range(1, attempts + 1):
         try:
             return operation()
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            if attempt == attempts:
+            elapsed = time.monotonic() - start
+            wait = random.uniform(delay / 2, delay)
+            out_of_time = budget is not None and elapsed + wait >= budget
+            if attempt == attempts or out_of_time:
+                limit = f"retry budget {budget:g} s" if out_of_time else f"{attempts} attempts"
                 raise TransientStoreError(
-                    f"{what}: still failing after {attempts} attempts: {exc}"
+                    f"{what}: no success after {attempt} attempt(s) in {elapsed:.1f} s "
+                    f"({limit}): {_one_line(exc)}"
                 ) from exc
             log.info("%s: transient error (attempt %d/%d): %s", what, attempt, attempts, exc)
-            time.sleep(random.uniform(delay / 2, delay))
+            time.sleep(wait)
             delay = min(delay * 2, max_delay)
     raise AssertionError("unreachable")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 class CheckpointStore(ABC):
@@ -256,6 +348,22 @@ class CheckpointStore(ABC):
             If there is no such object.
         """
         return self._modified(validate_key(key))
+
+    def check_available(self) -> None:
+        """Make sure the store itself (bucket, directory) exists; never writes.
+
+        Raises
+        ------
+        StoreNotFoundError
+            If it does not, naming the store.
+        """
+        if not self._available():
+            raise StoreNotFoundError(f"store {self.url} does not exist")
+
+    def _available(self) -> bool:
+        """Whether the store itself exists (default: a ``root`` directory, if any)."""
+        root = getattr(self, "root", None)
+        return not isinstance(root, os.PathLike) or os.path.isdir(root)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

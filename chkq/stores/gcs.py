@@ -17,6 +17,8 @@ from google.cloud import storage
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
+    StoreNotFoundError,
+    StoreTimeouts,
     bucket_prefix,
     retry_transient,
 )
@@ -75,8 +77,14 @@ class GCSStore(CheckpointStore):
     random write id in the object's custom metadata (``chkq-write-id``) and
     a 412 is read back and compared: the write is ours — True — if the id
     matches (contents are not compared, since content-addressed writers
-    write identical bytes).  Transient errors are retried by the client and
-    then, with more patience, by :func:`chkq.stores.base.retry_transient`.
+    write identical bytes).
+
+    Waits are bounded (:class:`~chkq.stores.base.StoreTimeouts`): every
+    call passes ``timeout=(connect, read)`` and ``retry=None`` (the client's
+    own retries, up to 120 s each by default, are off), and the one retry
+    layer, :func:`chkq.stores.base.retry_transient`, stops when the
+    operation's budget is spent, with an error naming the store and key.
+    A missing bucket raises :class:`~chkq.stores.base.StoreNotFoundError`.
 
     Parameters
     ----------
@@ -91,7 +99,10 @@ class GCSStore(CheckpointStore):
     page_size
         Objects requested per listing page.
     attempts
-        Attempts of the outer retry on transient errors.
+        Most attempts of one operation on transient errors.
+    timeouts
+        Connect/read timeouts and retry budget (default: from the
+        ``CHKQ_STORE_*`` variables).
     """
 
     def __init__(
@@ -103,9 +114,12 @@ class GCSStore(CheckpointStore):
         project: str | None = None,
         page_size: int = 1000,
         attempts: int = 8,
+        timeouts: StoreTimeouts | None = None,
     ) -> None:
         if not bucket:
             raise ValueError("GCSStore needs a bucket name")
+        self.timeouts = timeouts if timeouts is not None else StoreTimeouts.from_env()
+        self._timeout = (self.timeouts.connect, self.timeouts.read)
         self._bucket_name = bucket
         self._prefix = bucket_prefix(prefix)
         self.page_size = page_size
@@ -124,14 +138,19 @@ class GCSStore(CheckpointStore):
 
     def _retry(self, operation: Callable[[], T], what: str) -> T:
         return retry_transient(
-            operation, is_transient=_is_transient, what=f"{what} ({self.url})",
-            attempts=self.attempts,
+            operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
+            attempts=self.attempts, budget=self.timeouts.budget,
         )
+
+    def _available(self) -> bool:
+        return bool(self._retry(
+            lambda: self._bucket.exists(timeout=self._timeout, retry=None), "bucket exists"))
 
     def _put(self, key: str, data: bytes) -> None:
         blob = self._bucket.blob(self._prefix + key)
         self._retry(
-            lambda: blob.upload_from_string(data, content_type="application/octet-stream"),
+            lambda: blob.upload_from_string(data, content_type="application/octet-stream",
+                                            timeout=self._timeout, retry=None),
             f"put {key}",
         )
 
@@ -144,10 +163,11 @@ class GCSStore(CheckpointStore):
             blob.metadata = {WRITE_ID_METADATA: write_id}
             try:
                 blob.upload_from_string(
-                    data, content_type="application/octet-stream", if_generation_match=0
+                    data, content_type="application/octet-stream", if_generation_match=0,
+                    timeout=self._timeout, retry=None,
                 )
             except api_exceptions.PreconditionFailed:
-                current = self._bucket.get_blob(name)
+                current = self._bucket.get_blob(name, timeout=self._timeout, retry=None)
                 if current is None:
                     raise _VanishedAfterConflict(name) from None
                 return bool((current.metadata or {}).get(WRITE_ID_METADATA) == write_id)
@@ -160,14 +180,17 @@ class GCSStore(CheckpointStore):
 
         def attempt() -> bytes:
             try:
-                return bytes(blob.download_as_bytes())
+                return bytes(blob.download_as_bytes(timeout=self._timeout, retry=None))
             except api_exceptions.NotFound:
                 raise KeyError(key) from None
 
         return self._retry(attempt, f"get {key}")
 
     def _stat(self, key: str) -> Any:
-        return self._retry(lambda: self._bucket.get_blob(self._prefix + key), f"stat {key}")
+        return self._retry(
+            lambda: self._bucket.get_blob(self._prefix + key, timeout=self._timeout, retry=None),
+            f"stat {key}",
+        )
 
     def _exists(self, key: str) -> bool:
         return self._stat(key) is not None
@@ -182,9 +205,15 @@ class GCSStore(CheckpointStore):
     def _list(self, prefix: str) -> list[str]:
         def attempt() -> list[str]:
             blobs = self._client.list_blobs(
-                self._bucket_name, prefix=self._prefix + prefix, page_size=self.page_size
+                self._bucket_name, prefix=self._prefix + prefix, page_size=self.page_size,
+                timeout=self._timeout, retry=None,
             )
-            return [blob.name[len(self._prefix) :] for blob in blobs]
+            try:
+                return [blob.name[len(self._prefix) :] for blob in blobs]
+            except api_exceptions.NotFound:
+                raise StoreNotFoundError(
+                    f"store {self.url} does not exist (no bucket {self._bucket_name!r})"
+                ) from None
 
         return self._retry(attempt, f"list {prefix!r}")
 
@@ -193,6 +222,6 @@ class GCSStore(CheckpointStore):
 
         def attempt() -> None:
             with contextlib.suppress(api_exceptions.NotFound):
-                blob.delete()
+                blob.delete(timeout=self._timeout, retry=None)
 
         self._retry(attempt, f"delete {key}")

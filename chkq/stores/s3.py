@@ -22,6 +22,8 @@ from botocore.exceptions import (
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
+    StoreNotFoundError,
+    StoreTimeouts,
     bucket_prefix,
     retry_transient,
 )
@@ -45,6 +47,7 @@ _TRANSIENT_CODES = frozenset(
     }
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
 
 
 class _VanishedAfterConflict(Exception):
@@ -100,6 +103,12 @@ class S3Store(CheckpointStore):
     (a concurrent write in flight) and other transient errors are retried
     with backoff by :func:`chkq.stores.base.retry_transient`.
 
+    Waits are bounded (:class:`~chkq.stores.base.StoreTimeouts`): each
+    request has connect and read timeouts, botocore's own retries are off
+    (``total_max_attempts=1``), and the one retry layer stops when the
+    operation's budget is spent, with an error naming the store and key.
+    A missing bucket raises :class:`~chkq.stores.base.StoreNotFoundError`.
+
     Parameters
     ----------
     bucket
@@ -107,7 +116,8 @@ class S3Store(CheckpointStore):
     prefix
         Key prefix inside the bucket (no leading or trailing ``/``).
     client
-        A boto3 S3 client to use instead of building one.
+        A boto3 S3 client to use instead of building one (its own timeouts
+        and retries then apply to each attempt).
     endpoint_url, region_name
         Overrides for the AWS variables.
     multipart_threshold
@@ -117,7 +127,10 @@ class S3Store(CheckpointStore):
     page_size
         Keys requested per ``ListObjectsV2`` page (at most 1000).
     attempts
-        Attempts of the outer retry on transient errors.
+        Most attempts of one operation on transient errors.
+    timeouts
+        Connect/read timeouts and retry budget (default: from the
+        ``CHKQ_STORE_*`` variables).
     """
 
     def __init__(
@@ -132,9 +145,11 @@ class S3Store(CheckpointStore):
         part_size: int = 16 * MiB,
         page_size: int = 1000,
         attempts: int = 8,
+        timeouts: StoreTimeouts | None = None,
     ) -> None:
         if not bucket:
             raise ValueError("S3Store needs a bucket name")
+        self.timeouts = timeouts if timeouts is not None else StoreTimeouts.from_env()
         self._bucket = bucket
         self._prefix = bucket_prefix(prefix)
         self.multipart_threshold = multipart_threshold
@@ -143,9 +158,9 @@ class S3Store(CheckpointStore):
         self.attempts = attempts
         if client is None:
             config = Config(
-                retries={"mode": "standard", "max_attempts": 4},
-                connect_timeout=10,
-                read_timeout=60,
+                retries={"mode": "standard", "total_max_attempts": 1},
+                connect_timeout=self.timeouts.connect,
+                read_timeout=self.timeouts.read,
             )
             client = boto3.session.Session().client(
                 "s3",
@@ -172,10 +187,28 @@ class S3Store(CheckpointStore):
         return self._client
 
     def _retry(self, operation: Callable[[], T], what: str) -> T:
-        return retry_transient(
-            operation, is_transient=_is_transient, what=f"{what} ({self.url})",
-            attempts=self.attempts,
-        )
+        try:
+            return retry_transient(
+                operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
+                attempts=self.attempts, budget=self.timeouts.budget,
+            )
+        except ClientError as exc:
+            if _error(exc)[0] in _NO_BUCKET_CODES:
+                raise StoreNotFoundError(
+                    f"store {self.url} does not exist (no bucket {self._bucket!r})") from None
+            raise
+
+    def _available(self) -> bool:
+        def attempt() -> bool:
+            try:
+                self._client.head_bucket(Bucket=self._bucket)
+            except ClientError as exc:
+                if _is_not_found(exc) or _error(exc)[0] in _NO_BUCKET_CODES:
+                    return False
+                raise
+            return True
+
+        return self._retry(attempt, "head bucket")
 
     def _put(self, key: str, data: bytes) -> None:
         name = self._prefix + key
