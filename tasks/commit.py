@@ -1,31 +1,40 @@
 """The commit task: store one checkpoint in a run's log.
 
-The message names the bytes — a path on shared storage or a staging key in
-the store — never carries them. Transient store errors are retried with
-backoff; a parent whose own commit is still running is waited for by
-retrying; redelivery is harmless because committing the same bytes again
-changes nothing.
+The message names the bytes — a path on shared storage — never carries
+them. Transient store errors are retried with backoff; a parent whose own
+commit is still running is waited for by retrying; redelivery is harmless
+because committing the same bytes again changes nothing.
+
+A message is untrusted input (SPEC, trust model), so before anything is read
+or written: the store URL is parsed and decoded once
+(:func:`chkq.stores.url.parse_store_url`) and the resolved directory of a
+``file://`` store is checked against ``CHKQ_ALLOWED_ROOTS``; the checkpoint
+path is resolved (links, ``..``) and checked the same way, and only a
+regular file is read. The task never deletes anything: there is no staging
+argument whose file it would remove after the commit.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from chkq.access import check_allowed
+from chkq.access import resolve_allowed
 from chkq.commits import (
     FileChangedError,
     ParentNotCommittedError,
     check_relative_name,
     commit_bytes,
-    read_stable,
 )
 from chkq.config.celery_app import app, settings
 from chkq.log import CheckpointLog
-from chkq.stores import TransientStoreError, open_store
+from chkq.stores import TransientStoreError
+from chkq.stores.url import parse_store_url
 from chkq.tasks.base import ChkqTask, Timer
 
 MAX_RETRIES = 30
@@ -55,18 +64,78 @@ def parent_wait(retries: int) -> float:
     return float(min(5.0, 0.25 * 2 ** min(retries, 5)))
 
 
-def _source_bytes(store_url: str, path: str | None, staging_key: str | None) -> bytes:
-    if (path is None) == (staging_key is None):
-        raise ValueError("a commit names its bytes by exactly one of path or staging_key")
-    if path is not None:
-        if not Path(path).is_absolute():
-            raise ValueError(f"commit path {path!r} must be absolute (shared storage)")
-        check_allowed(path, settings.allowed_roots)
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
-        return read_stable(path)
-    assert staging_key is not None
-    return open_store(store_url).get(staging_key)
+_ID = re.compile(r"[0-9a-f]{64}")
+
+
+def _optional(value: Any, kind: type | tuple[type, ...], what: str) -> None:
+    """Refuse an argument of the wrong JSON type (bool is not an int here)."""
+    if value is not None and (not isinstance(value, kind) or
+                              (isinstance(value, bool) and kind is int)):
+        raise TypeError(f"commit {what} must be {getattr(kind, '__name__', kind)}, "
+                        f"got {type(value).__name__}")
+
+
+def _check_id(value: str | None, what: str) -> None:
+    _optional(value, str, what)
+    if value is not None and not _ID.fullmatch(value):
+        raise ValueError(f"commit {what} {value!r} is not a checkpoint id (64 hex digits)")
+
+
+def checkpoint_source(path: Any) -> Path:
+    """Resolve and check the checkpoint path of a commit message; return the path to read.
+
+    Raises
+    ------
+    TypeError, ValueError
+        For a path that is not a string, is relative or holds a NUL byte.
+    PermissionError
+        If the resolved path (links and ``..`` followed) is outside
+        ``CHKQ_ALLOWED_ROOTS``.
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"commit path must be a string, got {type(path).__name__}")
+    if "\x00" in path:
+        raise ValueError(f"commit path {path!r} contains a NUL byte")
+    if not Path(path).is_absolute():
+        raise ValueError(f"commit path {path!r} must be absolute (shared storage)")
+    return resolve_allowed(path, settings.allowed_roots)
+
+
+def read_checkpoint(path: Path) -> bytes:
+    """Read the regular file at ``path`` (already resolved), refusing one that changes.
+
+    The file is opened with O_NOFOLLOW|O_NONBLOCK and checked with fstat, so
+    a link swapped in after the check is not followed and a FIFO or device
+    can neither block the worker nor be read. Size, mtime and inode are
+    compared before and after the read, as a simulation still writing the
+    file changes them.
+
+    Raises
+    ------
+    FileNotFoundError
+        If there is no regular file at ``path``.
+    FileChangedError
+        If the file changed during the read (retried by the task).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"checkpoint file {str(path)!r} cannot be opened as a regular file: "
+            f"{exc.strerror}") from None
+    before = os.fstat(fd)
+    if not stat.S_ISREG(before.st_mode):
+        os.close(fd)
+        raise FileNotFoundError(f"checkpoint file {str(path)!r} is not a regular file")
+    with open(fd, "rb", closefd=True) as fh:
+        data = fh.read()
+        after = os.fstat(fh.fileno())
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) \
+            or len(data) != after.st_size:
+        raise FileChangedError(f"checkpoint file {str(path)!r} changed while it was read")
+    return data
 
 
 @app.task(
@@ -83,9 +152,8 @@ def commit(
     self: ChkqTask,
     store_url: str,
     run: str,
-    path: str | None = None,
+    path: str,
     *,
-    staging_key: str | None = None,
     parent: str | None = None,
     parent_head: bool = False,
     step: int | None = None,
@@ -94,27 +162,40 @@ def commit(
     model: str | None = None,
     expect_id: str | None = None,
 ) -> dict[str, Any]:
-    """Commit the checkpoint at ``path`` (or ``staging_key``) to run ``run`` of the store.
+    """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
     ``name`` is the file's name relative to its run directory, kept in the
     record's meta so that ``chkq log restore`` can put it back; ``expect_id``
     (the SHA-256 the watcher saw) guards against a file changed since.
+    Every argument is checked (types, ids, the resolved store directory and
+    file against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written;
+    the source file is only read, never removed.
     """
     self.check_deliveries()
+    _check_id(parent, "parent")
+    _check_id(expect_id, "expect_id")
+    _optional(step, int, "step")
+    _optional(label, str, "label")
+    _optional(name, str, "name")
+    _optional(model, str, "model")
+    if not isinstance(parent_head, bool):
+        raise TypeError(f"commit parent_head must be bool, got {type(parent_head).__name__}")
     meta: dict[str, Any] = {}
     if name is not None:
         meta["name"] = check_relative_name(name)
     if model is not None:
         meta["model"] = model
-    if urlsplit(store_url).scheme == "file":
-        check_allowed(urlsplit(store_url).path, settings.allowed_roots)
-    log = CheckpointLog(open_store(store_url), run)
-    with Timer("chkq.commit", run, store=store_url, source=path or staging_key) as timer:
+    location = parse_store_url(store_url)
+    if location.local_root is not None:
+        resolve_allowed(location.local_root, settings.allowed_roots)
+    source = checkpoint_source(path)
+    log = CheckpointLog(location.open(), run)
+    with Timer("chkq.commit", run, store=log.store.url, source=str(source)) as timer:
         try:
             if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
                 raise ParentNotCommittedError(
                     f"parent {parent} is not a checkpoint of run {run!r} (yet)")
-            data = _source_bytes(store_url, path, staging_key)
+            data = read_checkpoint(source)
             record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
                                   label=label, meta=meta or None, expect_id=expect_id)
         except ParentNotCommittedError as exc:
@@ -122,6 +203,4 @@ def commit(
                              max_retries=PARENT_RETRIES) from None
         timer.result = {"id": record.id[:12], "bytes": len(data), "kind": record.kind,
                         "stored": record.stored_size}
-    if staging_key is not None:
-        log.store.delete(staging_key)
     return asdict(record)

@@ -2,7 +2,10 @@
 
 ``submit_commit`` sends a ``chkq.commit`` task naming the file (never its
 bytes) and returns its AsyncResult; ``commit_checkpoint`` waits for it,
-running an embedded cluster when no broker is configured.
+running an embedded cluster when no broker is configured. A commit only
+reads its file: nothing is staged, and nothing is deleted after the commit.
+Arguments are checked here for the caller's sake (a clear error at once);
+the worker checks them again, since it cannot trust the message.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import app, settings
 from chkq.log import CheckpointRecord, validate_run_id
-from chkq.stores import open_store
+from chkq.stores.url import parse_store_url
 
 
 def submit_commit(
@@ -32,9 +35,18 @@ def submit_commit(
 ) -> AsyncResult:
     """Enqueue the commit of the checkpoint file at ``path`` to ``run`` in ``store_url``.
 
-    The path must be readable by the workers (shared storage).
+    The path must be readable by the workers (shared storage) and, where
+    the workers set ``CHKQ_ALLOWED_ROOTS``, inside those roots; the workers
+    resolve it (links, ``..``) and read it, and never remove it.
+
+    Raises
+    ------
+    ValueError
+        For a malformed store URL or run id.
+    FileNotFoundError
+        If ``path`` is not a file here.
     """
-    open_store(store_url)
+    parse_store_url(store_url)
     validate_run_id(run)
     source = Path(path).absolute()
     if not source.is_file():
@@ -61,13 +73,13 @@ def submit_commit_chain(
     Each commit is sent only when the one before it finished, so no task waits
     for its parent. The files are hashed here (read once) to name the parents;
     the tasks check the bytes they read against those ids. Returns the result
-    of the last commit.
+    of the last commit. The files are only read, never removed.
     """
     from celery import chain
 
     from chkq.watcher import file_id
 
-    open_store(store_url)
+    parse_store_url(store_url)
     validate_run_id(run)
     steps = []
     for index, path in enumerate(paths):

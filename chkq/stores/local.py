@@ -1,136 +1,348 @@
-"""A store in a local (or shared POSIX) directory: ``file:///abs/dir``."""
+"""A store in a local (or shared POSIX) directory: ``file:///abs/dir``.
+
+Whoever can write to the directory is a party of its own (SPEC, trust
+model): a symbolic link planted in the store, at a directory or at a
+temporary's name, must never send a worker's reads, writes or deletes
+elsewhere. So every operation walks from the store's root one name at a
+time with ``openat(O_NOFOLLOW)`` and acts relative to the directory it
+reached (``*at`` system calls); a link anywhere in the way is refused.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
-import uuid
+import secrets
+import stat
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from chkq.fsutil import fsync_dir
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
-__all__ = ["LocalDirectoryStore"]
+__all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
 TMP_DIR = ".chkq-tmp"
 """Top-level directory holding in-flight writes; never listed, never a valid key."""
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class SymlinkInStoreError(PermissionError):
+    """A symbolic link stands where a store expects a directory or an object."""
 
 
 class LocalDirectoryStore(CheckpointStore):
     """Objects as files under one directory.
 
-    Every write goes to a uniquely named file in ``<root>/.chkq-tmp/`` (same
-    file system, so the final step is a metadata operation), is fsynced, and
-    is then moved into place: ``os.replace`` for :meth:`put` (atomic
-    replace) or ``os.link`` for :meth:`put_if_absent` (atomic create: the
-    kernel refuses with EEXIST if the name exists, across processes and
-    NFS clients alike).  The containing directory is fsynced too, so an
-    acknowledged write survives a crash.  Readers therefore never see a
-    partial object, and the temporary directory is excluded from listings.
+    Every write goes to a randomly named file in ``<root>/.chkq-tmp/``,
+    created with O_CREAT|O_EXCL|O_NOFOLLOW (same file system, so the final
+    step is a metadata operation), is fsynced, and is then moved into place:
+    ``renameat`` for :meth:`put` (atomic replace) or ``linkat`` for
+    :meth:`put_if_absent` (atomic create: the kernel refuses with EEXIST if
+    the name exists, across processes and NFS clients alike).  The containing
+    directory is fsynced too, so an acknowledged write survives a crash.
+    Readers therefore never see a partial object, and the temporary
+    directory is excluded from listings.
+
+    Reads never write: the root and ``.chkq-tmp`` are created on the first
+    write, not when the store is opened or read.  Symbolic links inside the
+    store are never followed (see the module docstring): an operation that
+    meets one raises :class:`SymlinkInStoreError`, and listings skip them.
 
     Parameters
     ----------
     root
-        Absolute path of the directory; created if missing.
+        Absolute path of the directory; resolved with ``realpath`` once, here.
+    must_exist
+        If True the root is never created, and every operation on a missing
+        root raises FileNotFoundError naming the store (read-only commands).
+        If False (default) a missing root is created on the first write and
+        reads of it find nothing.
     """
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        path = Path(root)
-        if not path.is_absolute():
-            raise ValueError(f"LocalDirectoryStore needs an absolute path, got {str(root)!r}")
-        self._root = path
-        self._tmp = path / TMP_DIR
-        self._tmp.mkdir(parents=True, exist_ok=True)
+    def __init__(self, root: str | os.PathLike[str], *, must_exist: bool = False) -> None:
+        text = os.fspath(root)
+        if "\x00" in text:
+            raise ValueError(f"LocalDirectoryStore path {text!r} contains a NUL byte")
+        if not os.path.isabs(text):
+            raise ValueError(f"LocalDirectoryStore needs an absolute path, got {text!r}")
+        self._root = Path(os.path.realpath(text))
+        self._must_exist = must_exist
 
     @property
     def root(self) -> Path:
-        """The directory holding the objects."""
+        """The directory holding the objects (resolved: no link, no ``..``)."""
         return self._root
 
     @property
     def url(self) -> str:
         return self._root.as_uri()
 
-    def _path(self, key: str) -> Path:
-        if key.split("/", 1)[0] == TMP_DIR:
-            raise InvalidKeyError(f"invalid store key {key!r}: {TMP_DIR!r} is reserved")
-        return self._root / key
+    # walking without following links ------------------------------------------
 
-    def _write_temp(self, data: bytes) -> Path:
-        tmp = self._tmp / f"{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    def _missing(self) -> FileNotFoundError:
+        return FileNotFoundError(
+            errno.ENOENT, f"store {self.url} does not exist (no directory {str(self._root)!r})")
+
+    def _refuse_link(self, where: str) -> SymlinkInStoreError:
+        return SymlinkInStoreError(
+            f"store {self.url}: {where!r} is a symbolic link (or not a plain directory); "
+            "a store never follows links")
+
+    def _open_root(self, create: bool) -> int | None:
+        """fd of the root; None if it is missing and ``create`` is False."""
         try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            os.fsync(fd)
+            return os.open(self._root, _DIR_FLAGS)
+        except FileNotFoundError:
+            if self._must_exist:
+                raise self._missing() from None
+            if not create:
+                return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP or os.path.islink(self._root):
+                raise self._refuse_link(str(self._root)) from None
+            if exc.errno == errno.ENOTDIR:
+                raise NotADirectoryError(
+                    errno.ENOTDIR, f"store {self.url}: {str(self._root)!r} is not a directory"
+                ) from None
+            raise
+        os.makedirs(self._root, exist_ok=True)
+        return os.open(self._root, _DIR_FLAGS)
+
+    def _open_dir(self, parts: Sequence[str], create: bool) -> int | None:
+        """fd of ``root/parts``, each name opened with O_NOFOLLOW relative to the last.
+
+        Missing directories are created if ``create``, else None is returned
+        (a name that is a file counts as missing).
+
+        Raises
+        ------
+        SymlinkInStoreError
+            If a name on the way is a symbolic link.
+        """
+        fd = self._open_root(create)
+        if fd is None:
+            return None
+        try:
+            for depth, name in enumerate(parts):
+                child = self._open_child(fd, parts, depth)
+                if child is None and create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o777, dir_fd=fd)
+                    child = self._open_child(fd, parts, depth)
+                if child is None:
+                    if create:
+                        raise FileNotFoundError(
+                            errno.ENOENT, f"store {self.url}: cannot create directory",
+                            "/".join(parts[: depth + 1]))
+                    os.close(fd)
+                    return None
+                os.close(fd)
+                fd = child
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        return tmp
+        return fd
+
+    def _open_child(self, fd: int, parts: Sequence[str], depth: int) -> int | None:
+        """Open directory ``parts[depth]`` in ``fd`` without following a link.
+
+        Returns None if the name is missing or is a file (a key's prefix
+        that is not a directory holds no keys).
+
+        Raises
+        ------
+        SymlinkInStoreError
+            If the name is a symbolic link (Linux answers ELOOP or ENOTDIR).
+        """
+        name = parts[depth]
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            loop = exc.errno == errno.ELOOP
+        found = self._lstat(fd, name)
+        if loop or (found is not None and stat.S_ISLNK(found.st_mode)):
+            raise self._refuse_link("/".join(parts[: depth + 1]))
+        return None
+
+    @contextlib.contextmanager
+    def _parent(self, key: str, create: bool) -> Iterator[tuple[int | None, str]]:
+        """(fd of the key's directory or None if missing, the key's last name)."""
+        parts = self._parts(key)
+        fd = self._open_dir(parts[:-1], create)
+        try:
+            yield fd, parts[-1]
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _parts(self, key: str) -> list[str]:
+        parts = key.split("/")
+        if parts[0] == TMP_DIR:
+            raise InvalidKeyError(f"invalid store key {key!r}: {TMP_DIR!r} is reserved")
+        return parts
+
+    def _lstat(self, fd: int | None, name: str) -> os.stat_result | None:
+        """lstat of ``name`` in directory ``fd``; None if it (or the directory) is missing."""
+        if fd is None:
+            return None
+        try:
+            return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    # writing ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _tmp_dir(self) -> Iterator[int]:
+        """fd of ``.chkq-tmp`` (created on the first write; a link there is refused).
+
+        Opened before anything else of a write, so that a refused write
+        creates nothing.
+        """
+        fd = self._open_dir([TMP_DIR], create=True)
+        assert fd is not None
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _temp(self, tmp_fd: int, data: bytes) -> Iterator[str]:
+        """The name, in directory ``tmp_fd``, of a new fsynced file holding ``data``.
+
+        The name is random and the file is created with O_EXCL|O_NOFOLLOW, so
+        a link planted at any name can never be written through; the
+        temporary is removed on the way out unless it was moved away.
+        """
+        while True:
+            name = f"{secrets.token_hex(16)}.tmp"
+            try:
+                fd = os.open(name, _TEMP_FLAGS, 0o644, dir_fd=tmp_fd)
+                break
+            except FileExistsError:
+                continue
+        try:
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            yield name
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=tmp_fd)
 
     def _put(self, key: str, data: bytes) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._write_temp(data)
-        try:
-            os.replace(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(target.parent)
+        with self._tmp_dir() as tmp, self._parent(key, create=True) as (parent, name):
+            assert parent is not None
+            with self._temp(tmp, data) as temp:
+                os.replace(temp, name, src_dir_fd=tmp, dst_dir_fd=parent)
+            os.fsync(parent)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
-        target = self._path(key)
-        if target.exists():
-            return False
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._write_temp(data)
-        try:
-            os.link(tmp, target)
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
+        with self._tmp_dir() as tmp, self._parent(key, create=True) as (parent, name):
+            assert parent is not None
+            if self._lstat(parent, name) is not None:
                 return False
-            raise
-        finally:
-            tmp.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+            with self._temp(tmp, data) as temp:
+                try:
+                    os.link(temp, name, src_dir_fd=tmp, dst_dir_fd=parent,
+                            follow_symlinks=False)
+                except FileExistsError:
+                    return False
+            os.fsync(parent)
         return True
 
+    # reading ---------------------------------------------------------------------
+
     def _get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-            raise KeyError(key) from None
+        with self._parent(key, create=False) as (parent, name):
+            if parent is None:
+                raise KeyError(key)
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise KeyError(key) from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._refuse_link(key) from None
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, FIFO, device...
+                os.close(fd)
+                raise KeyError(key)
+            with open(fd, "rb", closefd=True) as fh:
+                return fh.read()
 
     def _exists(self, key: str) -> bool:
-        return self._path(key).is_file()
+        with self._parent(key, create=False) as (parent, name):
+            found = self._lstat(parent, name)
+            return found is not None and stat.S_ISREG(found.st_mode)
 
     def _list(self, prefix: str) -> list[str]:
         directory, _, _ = prefix.rpartition("/")
-        start = self._root / directory if directory else self._root
+        parts = directory.split("/") if directory else []
+        if parts and parts[0] == TMP_DIR:
+            return []
+        fd = self._open_dir(parts, create=False)
+        if fd is None:
+            return []
         keys: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(start):
-            rel = os.path.relpath(dirpath, self._root).replace(os.sep, "/")
-            if rel == ".":
-                dirnames[:] = [d for d in dirnames if d != TMP_DIR]
-                rel = ""
-            else:
-                rel += "/"
-            dirnames.sort()
-            keys.extend(rel + name for name in filenames if (rel + name).startswith(prefix))
+        try:
+            self._walk(fd, directory + "/" if directory else "", prefix, keys)
+        finally:
+            os.close(fd)
         return keys
 
+    def _walk(self, fd: int, rel: str, prefix: str, keys: list[str]) -> None:
+        """Append the keys under directory ``fd`` (named ``rel``) that start with ``prefix``.
+
+        Only plain files and plain directories are seen: links are skipped.
+        """
+        with os.scandir(fd) as entries:
+            found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False))
+                     for e in entries]
+        for name, is_dir, is_file in found:
+            key = rel + name
+            if is_file and key.startswith(prefix):
+                keys.append(key)
+            elif is_dir and not (rel == "" and name == TMP_DIR):
+                sub = key + "/"
+                if not (sub.startswith(prefix) or prefix.startswith(sub)):
+                    continue
+                try:
+                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:  # replaced by a link since scandir
+                        continue
+                    raise
+                try:
+                    self._walk(child, sub, prefix, keys)
+                finally:
+                    os.close(child)
+
     def _delete(self, key: str) -> None:
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            self._path(key).unlink()
+        with self._parent(key, create=False) as (parent, name):
+            if parent is None:
+                return
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(name, dir_fd=parent)
 
     def _modified(self, key: str) -> float:
-        try:
-            return self._path(key).stat().st_mtime
-        except (FileNotFoundError, NotADirectoryError):
-            raise KeyError(key) from None
+        with self._parent(key, create=False) as (parent, name):
+            found = self._lstat(parent, name)
+            if found is None or not stat.S_ISREG(found.st_mode):
+                raise KeyError(key)
+            return found.st_mtime
