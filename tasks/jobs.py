@@ -52,3 +52,36 @@ def finished_result(job: str) -> dict[str, Any] | None:
     """The result of ``job`` if it already finished, else None."""
     raw = _client().get(f"chkq-job-done-{job}")
     return json.loads(raw) if raw else None
+
+
+def record_cancelled(job: str, by: str = "chkq cancel") -> dict[str, Any]:
+    """Remember that ``job`` was cancelled (kept as long as results are); return the entry.
+
+    Tasks of the job that a worker picks up later can check :func:`cancelled`
+    and stop before touching anything.
+    """
+    entry = {"job": job, "cancelled": time.time(), "by": by}
+    _client().set(f"chkq-job-cancelled-{job}", json.dumps(entry), ex=settings.result_expires)
+    return entry
+
+
+def cancelled(job: str) -> dict[str, Any] | None:
+    """What :func:`record_cancelled` recorded for ``job``, or None if it was not cancelled."""
+    raw = _client().get(f"chkq-job-cancelled-{job}")
+    return json.loads(raw) if raw else None
+
+
+def find_jobs(prefix: str, limit: int = 10) -> list[str]:
+    """Ids of recorded jobs that start with ``prefix`` (at most ``limit``, sorted).
+
+    Lets people type a job id's first digits, as with git commits.
+    """
+    found: set[str] = set()
+    for key in _client().scan_iter(match=f"chkq-job-{prefix}*", count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        job = name.removeprefix("chkq-job-")
+        if len(job) == 32 and all(c in "0123456789abcdef" for c in job):
+            found.add(job)
+            if len(found) > limit:
+                break
+    return sorted(found)[:limit]

@@ -1,28 +1,124 @@
 """The ``chkq`` command line.
 
 Exit status: 0 on success; 1 with one ``error: ...`` line on stderr for a
-failed job or bad input; 2 for a usage error (argparse's convention).
+failed job or bad input; 2 for a usage error (argparse's convention);
+128 + N when ended by signal N (SIGINT, SIGTERM, SIGHUP), after everything
+the command started was stopped and its temporaries removed.
+
+A fast start: only the module of the command being run is imported (Celery,
+h5py and boto3 only where a command needs them); ``--version`` and
+``--help`` import nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
+import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
 
 from chkq import __version__
 
 if TYPE_CHECKING:
-    from chkq.workers.client import Progress
+    from chkq.workers.client import ConsolidationJob, Progress
 
-#: Modules that add subcommands: each has ``register(subparsers)``.
-COMMAND_MODULES: tuple[str, ...] = (
-    "chkq.workers.log_cli", "chkq.workers.watch", "chkq.workers.flower", "chkq.workers.status",
-)
+#: Subcommands defined in other modules: name -> (module with ``register(subparsers)``,
+#: help). Only the module of the command being run is imported.
+COMMAND_MODULES: dict[str, tuple[str, str]] = {
+    "log": ("chkq.workers.log_cli", "a run's checkpoint log: commit, list, heads, lineage, "
+            "pull, restore, gc, verify"),
+    "watch": ("chkq.workers.watch", "commit a running simulation's checkpoints as they "
+              "complete"),
+    "flower": ("chkq.workers.flower", "start Flower, the web monitor (basic auth required "
+               "beyond loopback)"),
+    "status": ("chkq.workers.status", "show a job's steps (done, running, failed and why), "
+               "or recent jobs"),
+    "cancel": ("chkq.workers.status", "cancel a job: revoke its tasks, remove its "
+               "temporaries"),
+}
+
+#: Signals that end a command cleanly (its children and temporaries go with it).
+ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+#: Exceptions that are the user's mistake or the data's, not a bug in chkq: workers
+#: log them as one WARNING line, without a traceback.
+USER_ERRORS: frozenset[str] = frozenset({
+    "FileNotFoundError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
+    "PermissionError", "ValueError", "CheckpointCorruptionError", "JobInterruptedError",
+    "JobCancelledError",
+})
+
+
+class Interrupted(KeyboardInterrupt):
+    """The command was asked to stop by signal ``signum`` (SIGINT, SIGTERM or SIGHUP).
+
+    Raised from the signal handler in the main thread, so that every ``with``
+    block on the way out (the embedded cluster, its broker) stops what it
+    started. A KeyboardInterrupt, so code that treats Ctrl-C specially
+    treats the others the same.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.reported = False
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    # Once is enough: later signals must not cut the clean-up short.
+    for sig in ENDING_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def install_signal_handlers() -> dict[int, Any]:
+    """Turn SIGINT, SIGTERM and SIGHUP into :class:`Interrupted`; return the old handlers.
+
+    A signal the command was started with ignored (``nohup``, ``cmd &``) stays
+    ignored.
+    """
+    previous: dict[int, Any] = {}
+    for sig in ENDING_SIGNALS:
+        old = signal.getsignal(sig)
+        if old is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, _raise_interrupted)
+    return previous
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
+def say(message: str, stream: TextIO | None = None) -> None:
+    """Print one line on stderr; a closed stream (a hung-up terminal) is not an error."""
+    with contextlib.suppress(OSError, ValueError):
+        print(message, file=stream or sys.stderr, flush=True)
 
 
 class ProgressLine:
@@ -43,30 +139,118 @@ class ProgressLine:
         else:
             line = f"{progress.phase}..."
         self.width = max(self.width, len(line))
-        print("\r" + line.ljust(self.width), end="", file=self.stream, flush=True)
+        try:
+            print("\r" + line.ljust(self.width), end="", file=self.stream, flush=True)
+        except OSError:
+            self.enabled = False
 
     def close(self) -> None:
         if self.enabled and self.width:
-            print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)
+            with contextlib.suppress(OSError):
+                print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)
+            self.width = 0
+
+    def notice(self, message: str) -> None:
+        """A ``warning:`` line, on its own line even while progress is shown."""
+        self.close()
+        say(f"warning: {message}", self.stream)
+
+
+def _job_fate(job: ConsolidationJob) -> str:
+    """What a cluster job does after its client stops waiting, for the user."""
+    phase = "queued or running"
+    try:
+        from chkq.workers.status import job_status
+
+        status = job_status(job.id)
+        phase = {"PENDING": "queued", "RUNNING": f"running ({status.phase})"}.get(
+            status.state, status.state.lower())
+    except Exception:  # noqa: BLE001 - the broker may be what went away
+        pass
+    return (f"job {job.id} is still {phase} on the cluster: chkq status {job.id} follows "
+            f"it, chkq cancel {job.id} cancels it")
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from chkq.workers.client import consolidate_checkpoints, submit_consolidation
+    from chkq.config.celery_app import settings
+    from chkq.workers.client import run_consolidation, submit_consolidation
 
-    out_dir = args.out_dir or os.getcwd()
     if args.no_wait:
-        if not os.environ.get("CHKQ_BROKER_URL"):
+        if not settings.broker_url:
             raise ValueError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
-        print(submit_consolidation(args.model, out_dir, args.cleanup).id)
+        print(submit_consolidation(args.model, args.out_dir, args.cleanup).id)
         return 0
     line = ProgressLine()
+    submitted: list[ConsolidationJob] = []
     try:
-        output = consolidate_checkpoints(args.model, out_dir, args.cleanup,
-                                         workers=args.workers, on_progress=line)
+        summary = run_consolidation(
+            args.model, args.out_dir, args.cleanup, workers=args.workers,
+            timeout=args.timeout, on_progress=line, on_notice=line.notice,
+            on_submitted=submitted.append)
+    except Interrupted as exc:
+        line.close()
+        if settings.broker_url and submitted:
+            say(f"error: interrupted; {_job_fate(submitted[0])}")
+            exc.reported = True
+        raise
     finally:
         line.close()
-    print(output)
+    for warning in summary.warnings:
+        say(f"warning: {warning}")
+    if args.verbose or line.enabled:
+        say(summary.line())
+    print(summary.output, flush=True)
     return 0
+
+
+class UserErrorFilter(logging.Filter):
+    """Log a task's expected failure (bad input, a refused run) as one WARNING line.
+
+    Celery logs every exception a task raises as ``ERROR ... raised
+    unexpected`` with its traceback, and chkq's tasks log ``fail ...`` at
+    ERROR: a refused run (no checkpoints, output exists, a corrupt file) is
+    not a bug, and a traceback only hides the one line that matters. Records
+    about exceptions whose type is in :data:`USER_ERRORS` are turned into
+    WARNINGs without traceback; anything else (bugs) is left alone. (The task
+    layer could say so itself, with ``Task.throws``.)
+    """
+
+    _ERROR_FIELD = re.compile(r"\berror=(\w+)\(")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        if not self._about_user_error(record):
+            return True
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        if isinstance(record.args, dict) and record.args.get("description") == \
+                "raised unexpected":
+            record.args = {**record.args, "description": "refused"}
+        return True
+
+    @staticmethod
+    def _about_user_error(record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is not None:
+            return record.exc_info[0].__name__ in USER_ERRORS
+        args = record.args.values() if isinstance(record.args, dict) else (record.args or ())
+        for arg in args:
+            if isinstance(arg, BaseException):
+                return type(arg).__name__ in USER_ERRORS
+        match = UserErrorFilter._ERROR_FIELD.search(record.getMessage())
+        return bool(match and match.group(1) in USER_ERRORS)
+
+
+#: Loggers whose records :class:`UserErrorFilter` vets in workers.
+FILTERED_LOGGERS = ("celery.app.trace", "celery.worker.request", "chkq.tasks", "chkq.worker",
+                    "chkq")
+
+
+def install_log_filter() -> None:
+    """Attach :class:`UserErrorFilter` to the loggers tasks fail through."""
+    user_errors = UserErrorFilter()
+    for name in FILTERED_LOGGERS:
+        logging.getLogger(name).addFilter(user_errors)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -79,8 +263,28 @@ def cmd_worker(args: argparse.Namespace) -> int:
         argv += ["-c", str(args.concurrency)]
     if args.hostname:
         argv += ["-n", args.hostname]
+    if args.without_gossip:
+        argv.append("--without-gossip")
+    if args.without_mingle:
+        argv.append("--without-mingle")
+    install_log_filter()
+    no_private_tempdir()
     app.worker_main(argv=argv)
     return 0
+
+
+def no_private_tempdir() -> None:
+    """Have billiard put its (at once unlinked) temporary files in the temporary directory.
+
+    Otherwise the worker creates a ``pymp-*`` directory there that only its
+    own orderly exit removes: a worker killed (SIGKILL, or with the command
+    that started it) would leave one behind each time.
+    """
+    import multiprocessing
+    import tempfile
+
+    config = multiprocessing.current_process()._config  # type: ignore[attr-defined]
+    config.setdefault("tempdir", tempfile.gettempdir())
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -93,56 +297,147 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names (the first word that is not an option), if any."""
+    for word in argv:
+        if not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``chkq`` parser, with the full options of the command ``argv`` runs.
+
+    Commands of :data:`COMMAND_MODULES` other than that one get a stub that
+    carries their name and help only, so that ``--help`` lists them without
+    importing them. With ``argv`` None every module is imported (complete
+    parser, e.g. for documentation).
+    """
     parser = argparse.ArgumentParser(
         prog="chkq", description="Distributed checkpoint workers: consolidate HDF5 "
         "checkpoints, commit them to a write-once log.")
     parser.add_argument("--version", action="version", version=f"chkq {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("consolidate", help="merge a run's HDF5 checkpoints into MODEL.h5")
     p.add_argument("model")
     p.add_argument("--out-dir", type=Path, help="the run's output directory (default: .)")
     p.add_argument("--cleanup", action="store_true",
                    help="delete the checkpoints once the output is verified and linked")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=positive_int, default=None,
                    help="embedded cluster size (default: CPU count; no broker configured)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    p.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
+                   help="give up waiting after this long (exit 1; a cluster job goes on)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print what the job did (rows, bytes, time) on stderr; shown "
+                   "anyway on a terminal")
     p.set_defaults(func=cmd_consolidate)
 
     p = sub.add_parser("worker", help="start a worker (CHKQ_BROKER_URL names the broker)")
     p.add_argument("-Q", "--queues", help="queues to serve: control,copy,verify,commit "
                    "(default: all)")
-    p.add_argument("-c", "--concurrency", type=int, help="worker processes (default: CPUs)")
+    p.add_argument("-c", "--concurrency", type=positive_int,
+                   help="worker processes (default: CPUs)")
     p.add_argument("-n", "--hostname", help="node name (default: celery@HOST)")
     p.add_argument("--loglevel", default="INFO")
+    p.add_argument("--without-gossip", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--without-mingle", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("demo", help="write a small slug-like checkpointed run to try chkq on")
     p.add_argument("out_dir", type=Path)
     p.add_argument("--model", default="demo")
-    p.add_argument("--checkpoints", type=int, default=4)
+    p.add_argument("--checkpoints", type=positive_int, default=4)
     p.add_argument("--writers", type=int, default=2, help="files per checkpoint (0: one file)")
     p.add_argument("--trials", type=int, default=500, help="trials per file")
     p.set_defaults(func=cmd_demo)
-    for module in COMMAND_MODULES:
-        importlib.import_module(module).register(sub)
+
+    chosen = _command_of(argv) if argv is not None else None
+    registered: set[str] = set()
+    for name, (module, _help) in COMMAND_MODULES.items():
+        if (argv is None or name == chosen) and module not in registered:
+            importlib.import_module(module).register(sub)
+            registered.add(module)
+    present = set(sub.choices)
+    for name, (_module, help_text) in COMMAND_MODULES.items():
+        if name not in present:
+            sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse option combinations argparse cannot express (exit 2, as usage errors)."""
+    workers = getattr(args, "workers", None)
+    if workers is not None and workers < 1:
+        parser.error(f"argument --workers: must be at least 1, got {workers}")
+    if args.command == "watch" and getattr(args, "cleanup", False) \
+            and not getattr(args, "consolidate", False):
+        parser.error("watch: --cleanup needs --consolidate (it deletes the checkpoints "
+                     "once consolidated)")
+    if args.command == "watch" and getattr(args, "wait", False) \
+            and not getattr(args, "consolidate", False):
+        parser.error("watch: --wait needs --consolidate")
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that exiting does not flush into a closed pipe."""
     try:
-        return int(args.func(args))
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _release_client() -> None:
+    """Drop result subscriptions a command left, while the interpreter still runs."""
+    if "chkq.workers.embedded" in sys.modules:
+        with contextlib.suppress(Exception):  # best effort at exit
+            sys.modules["chkq.workers.embedded"].drop_result_subscriptions()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    check_usage(parser, args)
+    previous = install_signal_handlers()
+    try:
+        status = int(args.func(args))
+        sys.stdout.flush()
+        return status
+    except Interrupted as exc:
+        if not exc.reported:
+            say(f"error: interrupted ({signal.Signals(exc.signum).name})")
+        return 128 + exc.signum
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 1
+        say("error: interrupted")
+        return 128 + signal.SIGINT
+    except BrokenPipeError:
+        # The reader went away (``chkq status | head``): nothing to say, as a C tool.
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
     except Exception as exc:  # noqa: BLE001 - the CLI's contract: one line, exit 1
         lines = (str(exc) or type(exc).__name__).splitlines()
-        print(f"error: {lines[0]}", file=sys.stderr)
+        say(f"error: {lines[0]}")
         return 1
+    finally:
+        _release_client()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def run() -> Any:
+    """``python -m chkq.workers.cli``: exit with :func:`main`'s status."""
+    status = main()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        status = 128 + signal.SIGPIPE
+    sys.exit(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

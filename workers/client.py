@@ -3,6 +3,16 @@
 ``submit_consolidation`` returns a :class:`ConsolidationJob`, a Celery
 ``AsyncResult`` for the job id with progress on top; ``consolidate_checkpoints``
 submits and waits, running an embedded cluster when no broker is configured.
+``run_consolidation`` is the same with everything a command line shows: the
+job's summary (rows, bytes, time, warnings) and notices while it waits.
+
+Check first, start later: whatever can be refused without a cluster (a bad
+name, a missing directory, an existing output, no checkpoints, and in
+embedded mode unreadable, incomplete or mismatched files) is refused here,
+in-process, before a job is sent or an embedded cluster starts.
+
+A client waiting on a cluster tells (``on_notice``) within seconds when no
+worker serves the queue its job waits in, then keeps waiting.
 """
 
 from __future__ import annotations
@@ -10,12 +20,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, TaskRevokedError
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -27,10 +38,21 @@ from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
 from chkq.tasks.base import PROGRESS
 from chkq.tasks.consolidate import consolidation_signature, root_cause, task_id
-from chkq.tasks.jobs import finished_result, job_info, record_submitted
+from chkq.tasks.jobs import cancelled, finished_result, job_info, record_submitted
 
 POLL_SECONDS = 0.05
 PROGRESS_SECONDS = 0.25
+
+#: When a waiting client first checks that a worker serves its job's queue, and how
+#: often after that (each check is a broadcast that waits up to ``INSPECT_SECONDS``).
+FIRST_WORKER_CHECK_SECONDS = 2.0
+WORKER_CHECK_SECONDS = 10.0
+INSPECT_SECONDS = 1.0
+
+#: The queue a job waits in, by the phase ``chkq status`` gives it.
+PHASE_QUEUES = {"queued": "chkq.control", "planning": "chkq.control", "copying": "chkq.copy",
+                "merging": "chkq.control", "verifying": "chkq.verify",
+                "linking": "chkq.control"}
 
 #: How long ``wait_for_output`` rides out a broker it cannot reach (a Redis restart).
 OUTAGE_GRACE_SECONDS = 120.0
@@ -51,6 +73,51 @@ class Progress:
     total: int = 0
 
 
+@dataclass(frozen=True)
+class JobSummary:
+    """What a finished consolidation did, for the people who asked for it.
+
+    Attributes
+    ----------
+    job
+        The job id.
+    output
+        The consolidated file.
+    rows, files
+        Rows written (every extensible dataset) and checkpoint files read.
+    bytes
+        Size of the output (None if this client cannot see it).
+    seconds
+        Wall time from submission to the end, as this client saw it.
+    warnings
+        What the job wants people to know, e.g. a checkpoint directory kept by
+        ``cleanup`` because it holds other files.
+    """
+
+    job: str
+    output: Path
+    rows: int = 0
+    files: int = 0
+    bytes: int | None = None
+    seconds: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        """One line for people: ``wrote OUTPUT: R rows from F files, B MB in S s``."""
+        size = f", {self.bytes / 1e6:,.1f} MB" if self.bytes is not None else ""
+        took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
+        return (f"wrote {self.output}: {self.rows:,} rows from {self.files:,} files"
+                f"{size}{took} (job {self.job})")
+
+
+class ConsolidationWarning(UserWarning):
+    """A finished job's warning (e.g. a checkpoint directory kept by ``cleanup``)."""
+
+
+class JobCancelledError(RuntimeError):
+    """The job was cancelled (``chkq cancel``) before it finished."""
+
+
 class JobLostError(RuntimeError):
     """The broker no longer knows the job (Redis restarted without persistence).
 
@@ -67,6 +134,7 @@ class ConsolidationJob(AsyncResult):
     """
 
     files: JobFiles | None = None
+    submitted_at: float | None = None
     _progress_shown = 0.0
 
     def _plan_summary(self) -> dict[str, Any] | None:
@@ -86,7 +154,14 @@ class ConsolidationJob(AsyncResult):
     def progress(self) -> Progress:
         """Rows copied and verified so far (read from the result backend)."""
         if self.ready():
-            return Progress("failed" if self.failed() else "done")
+            if self.successful() or finished_result(self.id) is not None:
+                done = self._finished()
+                rows = int(done.get("rows") or 0)
+                return Progress("done", rows, rows, rows)
+            summary = self._plan_summary()
+            total = int(summary["rows"]) if summary else 0
+            return Progress("failed", self._rows("copy", int(summary["copy_units"])) if summary
+                            else 0, 0, total)
         summary = self._plan_summary()
         if summary is None:
             return Progress("planning")
@@ -102,17 +177,38 @@ class ConsolidationJob(AsyncResult):
         on_progress: Callable[[Progress], None] | None = None,
         is_alive: Callable[[], None] | None = None,
         outage_grace: float = OUTAGE_GRACE_SECONDS,
+        on_notice: Callable[[str], None] | None = None,
     ) -> Path:
         """Block until the job ends; return the output path or raise the job's error.
+
+        See :meth:`wait_for_summary`, which this is, returning only the path.
+        """
+        return self.wait_for_summary(timeout, on_progress, is_alive, outage_grace,
+                                     on_notice).output
+
+    def wait_for_summary(
+        self,
+        timeout: float | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        is_alive: Callable[[], None] | None = None,
+        outage_grace: float = OUTAGE_GRACE_SECONDS,
+        on_notice: Callable[[str], None] | None = None,
+    ) -> JobSummary:
+        """Block until the job ends; return its summary or raise the job's error.
 
         A broker that stops answering (Redis restarting) is waited for, up to
         ``outage_grace`` seconds at a time: with persistence the job carries
         on where it was.
 
+        ``on_notice`` hears, within seconds, when no worker serves the queue
+        the job waits in (the waiting goes on).
+
         Raises
         ------
         TimeoutError
-            After ``timeout`` seconds.
+            After ``timeout`` seconds (the job itself goes on).
+        JobCancelledError
+            If the job was cancelled (``chkq cancel``).
         JobLostError
             If the broker forgot the job (a Redis restart without persistence),
             or did not answer for ``outage_grace`` seconds. The job's
@@ -120,6 +216,7 @@ class ConsolidationJob(AsyncResult):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         unreachable_since: float | None = None
+        watch = QueueWatch(self, on_notice) if on_notice is not None else None
         while True:
             try:
                 if self._poll(on_progress):
@@ -136,8 +233,12 @@ class ConsolidationJob(AsyncResult):
                     ) from exc
             if is_alive is not None:
                 is_alive()
+            if watch is not None and unreachable_since is None:
+                watch.check()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.id} did not finish within {timeout} s")
+                raise TimeoutError(
+                    f"job {self.id} did not finish within {timeout:g} s; it goes on "
+                    f"(chkq status {self.id}; chkq cancel {self.id} to cancel it)")
             time.sleep(POLL_SECONDS)
         return self._outcome()
 
@@ -161,18 +262,139 @@ class ConsolidationJob(AsyncResult):
             on_progress(self.progress)
         return False
 
-    def _outcome(self) -> Path:
-        if self.successful():
-            return Path(self.result["output"])
+    def _finished(self) -> dict[str, Any]:
+        """The link step's result of a job that succeeded."""
         done = finished_result(self.id)
-        if done is not None:
-            return Path(done["output"])
+        if done is None and self.successful() and isinstance(self.result, dict):
+            done = self.result
+        return done or {}
+
+    def summary(self) -> JobSummary:
+        """The summary of a job that succeeded (KeyError if it has not)."""
+        done = self._finished()
+        output = Path(done["output"])
+        try:
+            size: int | None = output.stat().st_size
+        except OSError:
+            size = None
+        seconds = None
+        if self.submitted_at is not None:
+            seconds = time.monotonic() - self.submitted_at
+        return JobSummary(self.id, output, rows=int(done.get("rows") or 0),
+                          files=int(done.get("files") or 0), bytes=size, seconds=seconds,
+                          warnings=[str(w) for w in done.get("warnings") or []])
+
+    def _outcome(self) -> JobSummary:
+        if self.successful() or finished_result(self.id) is not None:
+            return self.summary()
         exc = self.result
         if isinstance(exc, ChordError):
             exc = root_cause(exc)
+        if isinstance(exc, TaskRevokedError) or self.state == "REVOKED":
+            entry = cancelled(self.id)
+            if entry is not None:
+                raise JobCancelledError(f"job {self.id} was cancelled ({entry.get('by')})")
         if isinstance(exc, BaseException):
             raise exc
         raise RuntimeError(f"job {self.id} failed: {exc!r}")
+
+
+def served_queues(timeout: float = INSPECT_SECONDS) -> set[str]:
+    """Names of the queues that live workers consume from (a broadcast; waits ``timeout``)."""
+    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    return {str(q.get("name")) for queues in replies.values() for q in queues or []
+            if isinstance(q, dict)}
+
+
+class QueueWatch:
+    """Tells, once per queue, when no worker serves the queue a job waits in.
+
+    Without it, a job sent to a cluster with no worker (or none for, say,
+    the copy queue) waits silently for ever.
+    """
+
+    def __init__(self, job: ConsolidationJob, notice: Callable[[str], None]) -> None:
+        self.job, self.notice = job, notice
+        self.next_check = time.monotonic() + FIRST_WORKER_CHECK_SECONDS
+        self.told: set[str] = set()
+
+    def waiting_in(self) -> tuple[str, str] | None:
+        """The queue the job waits in now, and its phase (None: it is not waiting)."""
+        from chkq.workers.status import job_status
+
+        status = job_status(self.job.id)
+        if status.state not in ("PENDING", "RUNNING"):
+            return None
+        queue = PHASE_QUEUES.get(status.phase)
+        return (queue, status.phase) if queue else None
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + WORKER_CHECK_SECONDS
+        try:
+            waiting = self.waiting_in()
+            if waiting is None or waiting[0] in self.told:
+                return
+            queue, phase = waiting
+            if queue in served_queues():
+                return
+        except (LookupError, *BROKER_ERRORS):  # type: ignore[misc]
+            return
+        self.told.add(queue)
+        short = queue.removeprefix("chkq.")
+        self.notice(f"no worker serves queue {queue}, where job {self.job.id} waits ({phase}); "
+                    f"start one (chkq worker -Q {short}) or cancel the job (chkq cancel "
+                    f"{self.job.id}); still waiting")
+
+
+def out_dir_of(out_dir: str | Path | None) -> Path:
+    """``out_dir`` (default: the current directory), absolute and checked.
+
+    Raises
+    ------
+    FileNotFoundError
+        If it does not exist (naming it).
+    NotADirectoryError
+        If it is not a directory.
+    """
+    path = Path(out_dir if out_dir is not None else os.getcwd()).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"output directory {str(path)!r} does not exist")
+    return check_out_dir(path)
+
+
+def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool) -> tuple[Path, str]:
+    """Refuse, in this process, a job that would be refused anyway; return (directory, model).
+
+    Checks the model name, the directory, that ``MODEL.h5`` does not exist and
+    that there are checkpoints; with ``scan``, also reads every checkpoint
+    file's structure (incomplete, unreadable, non-HDF5 or mismatched files),
+    as the planning step would. Costs well under a second for a normal run,
+    against seconds for starting an embedded cluster.
+
+    Raises
+    ------
+    FileNotFoundError, FileExistsError, ValueError
+        As :func:`consolidate_checkpoints`.
+    """
+    from chkq.discovery import find_checkpoints
+
+    model = check_model_name(model_name)
+    directory = out_dir_of(out_dir)
+    output = directory / f"{model}.h5"
+    if output.exists() or output.is_symlink():
+        raise FileExistsError(f"output {str(output)!r} exists; it is never overwritten")
+    if scan:
+        from chkq.plan import discover_and_scan
+
+        discover_and_scan(directory, model)
+    elif not find_checkpoints(directory, model):
+        raise FileNotFoundError(
+            f"no checkpoints of model {model!r} in {str(directory)!r} "
+            f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)")
+    return directory, model
 
 
 def submit_consolidation(
@@ -180,17 +402,54 @@ def submit_consolidation(
 ) -> ConsolidationJob:
     """Send a consolidation job to the configured cluster; return its handle at once.
 
-    The model name and directory are checked here too, so that obvious
-    mistakes are reported before anything is sent.
+    Obvious mistakes (see :func:`precheck`: a bad name or directory, an
+    existing output, no checkpoints) are refused here, before anything is sent.
     """
-    directory = check_out_dir(out_dir if out_dir is not None else os.getcwd())
-    model = check_model_name(model_name)
+    directory, model = precheck(model_name, out_dir, scan=False)
     job = uuid.uuid4().hex
+    submitted = time.monotonic()
     record_submitted(job, model, str(directory))
     consolidation_signature(str(directory), model, job, cleanup).apply_async()
     handle = ConsolidationJob(job, app=app)
     handle.files = JobFiles(directory, model, job)
+    handle.submitted_at = submitted
     return handle
+
+
+def run_consolidation(
+    model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
+    *, workers: int | None = None, timeout: float | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
+    on_submitted: Callable[[ConsolidationJob], None] | None = None,
+) -> JobSummary:
+    """Consolidate and wait, as :func:`consolidate_checkpoints`; return the job's summary.
+
+    ``on_submitted`` gets the job's handle as soon as it is sent (a command
+    line interrupted later can then say what becomes of it), ``on_notice``
+    what the user should know while waiting. In embedded mode, a job cut
+    short (an exception, an interrupt, a timeout) ends with its cluster and
+    its temporaries are removed.
+    """
+    from chkq.workers.embedded import EmbeddedCluster, drop_result_subscriptions
+
+    if settings.broker_url:
+        job = submit_consolidation(model_name, out_dir, cleanup)
+        if on_submitted is not None:
+            on_submitted(job)
+        try:
+            return job.wait_for_summary(timeout, on_progress, on_notice=on_notice)
+        finally:
+            drop_result_subscriptions()
+    precheck(model_name, out_dir, scan=True)
+    with EmbeddedCluster(workers) as cluster:
+        job = submit_consolidation(model_name, out_dir, cleanup)
+        files = job.files
+        if files is not None:
+            cluster.on_abandon(lambda: discard_job_files(files))
+        if on_submitted is not None:
+            on_submitted(job)
+        return job.wait_for_summary(timeout, on_progress, is_alive=cluster.check_alive)
 
 
 def consolidate_checkpoints(
@@ -202,24 +461,21 @@ def consolidate_checkpoints(
 
     With ``CHKQ_BROKER_URL`` set, the job runs on that cluster; otherwise on
     an embedded cluster of ``workers`` local processes (default: CPU count).
+    The job's warnings (a checkpoint directory kept by ``cleanup``) are
+    issued as :class:`ConsolidationWarning`.
 
     Raises
     ------
     FileNotFoundError
-        No checkpoints.
+        No checkpoints, or no directory ``out_dir``.
     FileExistsError
         ``MODEL.h5`` exists, or appeared while the job ran.
     ValueError
         An incomplete, unreadable or non-HDF5 file, files that differ in
         structure, or output rows that differ from their source.
     """
-    if settings.broker_url:
-        job = submit_consolidation(model_name, out_dir, cleanup)
-        return job.wait_for_output(on_progress=on_progress)
-    from chkq.workers.embedded import EmbeddedCluster
-
-    check_out_dir(out_dir if out_dir is not None else os.getcwd())
-    check_model_name(model_name)
-    with EmbeddedCluster(workers) as cluster:
-        job = submit_consolidation(model_name, out_dir, cleanup)
-        return job.wait_for_output(on_progress=on_progress, is_alive=cluster.check_alive)
+    summary = run_consolidation(model_name, out_dir, cleanup, workers=workers,
+                                on_progress=on_progress)
+    for message in summary.warnings:
+        warnings.warn(message, ConsolidationWarning, stacklevel=2)
+    return summary.output

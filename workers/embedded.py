@@ -3,10 +3,27 @@
 With no ``CHKQ_BROKER_URL``, ``chkq consolidate`` (and ``chkq log commit``)
 run inside one of these: the same canvas and the same worker code as a real
 cluster, against a broker started for the length of the command.
+
+Nothing outlives the command, whatever ends it:
+
+- a normal exit stops the worker (warm shutdown: it is idle by then), then
+  the broker;
+- an exception, Ctrl-C, SIGTERM or SIGHUP (which the command line turns into
+  an exception) abandons the job: the worker's whole process group is killed
+  at once, the job's temporaries are removed (:meth:`EmbeddedCluster.on_abandon`),
+  then the broker stops;
+- SIGKILL of the command (or a crash) leaves the kernel to do it: the worker's
+  main process and redis-server are started with ``PR_SET_PDEATHSIG``
+  (:func:`chkq.workers.broker.die_with_parent`), and Celery gives its pool
+  processes the same, so the whole tree goes with its parent.
+
+The worker's log goes to an anonymous temporary file and the broker keeps
+no directory, so nothing is left on disk either.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,24 +31,30 @@ import sys
 import tempfile
 import time
 import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import app, use_broker
 from chkq.config.routing import QUEUES
-from chkq.workers.broker import PrivateRedis
+from chkq.workers.broker import PrivateRedis, die_with_parent
+
+#: Seconds an idle worker gets for a warm shutdown before its group is killed.
+STOP_GRACE_SECONDS = 10.0
 
 
 def worker_command(concurrency: int, queues: list[str], name: str,
                    loglevel: str = "INFO") -> list[str]:
-    """The command line of a chkq worker process."""
+    """The command line of a chkq worker process (``chkq worker``, embedded flavour).
+
+    ``chkq worker`` rather than ``celery worker``, so that the worker start-up
+    of :mod:`chkq.workers.cli` (its log filter) applies to embedded workers too.
+    """
     return [
-        sys.executable, "-m", "celery", "-A", "chkq.config.celery_app:app", "worker",
+        sys.executable, "-m", "chkq.workers.cli", "worker",
         "-c", str(concurrency), "-Q", ",".join(queues), "-n", name,
-        "--loglevel", loglevel, "-P", "prefork",
-        "--without-gossip", "--without-mingle",
+        "--loglevel", loglevel, "--without-gossip", "--without-mingle",
     ]
 
 
@@ -40,11 +63,17 @@ def drop_result_subscriptions() -> None:
 
     Celery subscribes to a task's result when it sends it and unsubscribes
     when the AsyncResult is collected, which may be after the broker is
-    gone: the unsubscription would then fail noisily at exit.
+    gone, or at interpreter shutdown: the unsubscription would then fail
+    noisily at exit (``Exception ignored in: AsyncResult.__del__``).
     """
     consumer = getattr(app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.subscribed_to.clear()
+    if consumer is None:
+        return
+    consumer.subscribed_to.clear()
+    pending = getattr(consumer, "_pending_unsubscribe", None)
+    if pending is not None:
+        pending.clear()
+    with contextlib.suppress(Exception):
         consumer.stop()
 
 
@@ -54,30 +83,47 @@ class EmbeddedCluster:
     def __init__(self, workers: int | None = None) -> None:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.broker = PrivateRedis()
-        self._logdir = tempfile.TemporaryDirectory(prefix="chkq-embedded-")
-        self.log_path = Path(self._logdir.name) / "worker.log"
+        self.log: IO[bytes] = tempfile.TemporaryFile(prefix="chkq-embedded-")  # noqa: SIM115
         self.process: subprocess.Popen[bytes] | None = None
+        self._abandon_hooks: list[Callable[[], Any]] = []
 
     def __enter__(self) -> EmbeddedCluster:
-        self.broker.start()
-        use_broker(app, self.broker.url)
-        env = {**os.environ, "CHKQ_BROKER_URL": self.broker.url,
-               "CHKQ_RESULT_BACKEND": self.broker.url}
-        name = f"embedded-{uuid.uuid4().hex[:8]}@%h"
-        with open(self.log_path, "wb") as log:
+        try:
+            self.broker.start()
+            use_broker(app, self.broker.url)
+            env = {**os.environ, "CHKQ_BROKER_URL": self.broker.url,
+                   "CHKQ_RESULT_BACKEND": self.broker.url}
+            name = f"embedded-{uuid.uuid4().hex[:8]}@%h"
             self.process = subprocess.Popen(
                 worker_command(self.workers, list(QUEUES), name), env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
             )
+        except BaseException:
+            self.close(abandon=True)
+            raise
         return self
+
+    def on_abandon(self, hook: Callable[[], Any]) -> None:
+        """Run ``hook`` if the cluster is abandoned, after its workers are dead.
+
+        For removing the temporaries of a job that was cut short: no task can
+        still be writing them by then.
+        """
+        self._abandon_hooks.append(hook)
+
+    def log_tail(self, lines: int = 10) -> list[str]:
+        """The worker's last log lines."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace").splitlines()[-lines:]
 
     def check_alive(self) -> None:
         """Raise RuntimeError, with the worker's last log lines, if the worker died."""
         if self.process is not None and self.process.poll() is not None:
-            tail = self.log_path.read_text(errors="replace").splitlines()[-10:]
             raise RuntimeError(
                 f"the embedded worker exited with status {self.process.returncode}: "
-                + " | ".join(tail)
+                + " | ".join(self.log_tail())
             )
 
     def wait(self, result: AsyncResult, timeout: float | None = None) -> Any:
@@ -90,14 +136,39 @@ class EmbeddedCluster:
             time.sleep(0.05)
         return result.get()
 
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        drop_result_subscriptions()
-        self.broker.close()
-        self._logdir.cleanup()
+    def _kill_group(self) -> None:
+        """SIGKILL the worker's process group (main process and pool), then reap the main."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop_workers(self, *, abandon: bool) -> None:
+        """Stop the worker: warm shutdown, or (``abandon``) kill its whole group at once."""
+        process = self.process
+        if process is None:
+            return
+        if process.poll() is None and not abandon:
+            process.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(STOP_GRACE_SECONDS)
+        # Pool processes a dead main left behind share its process group.
+        self._kill_group()
+        self.process = None
+
+    def close(self, *, abandon: bool) -> None:
+        """Stop everything; when ``abandon``, run the abandon hooks between workers and broker."""
+        try:
+            self.stop_workers(abandon=abandon)
+            if abandon:
+                for hook in self._abandon_hooks:
+                    with contextlib.suppress(Exception):
+                        hook()
+            drop_result_subscriptions()
+        finally:
+            self.broker.close()
+            self.log.close()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(abandon=exc_type is not None)

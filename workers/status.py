@@ -5,9 +5,16 @@ A job's steps have deterministic task ids (``JOB-plan``, ``JOB-copy-N``,
 of their results tells which steps are done, which are running (with the
 rows done of their ``PROGRESS`` state), which failed, and why.
 
-With a job id, ``chkq status`` prints that job step by step; without, one
-line for each recent job. A failed job also prints ``error: ...`` on stderr
+With a job id (or its first 8 or more digits, as long as they name one
+job), ``chkq status`` prints that job step by step: for a finished job also
+what it wrote, how long it took and its warnings; without, one line for each
+recent job. A failed or cancelled job also prints ``error: ...`` on stderr
 and exits 1, like ``chkq consolidate``; an unknown job exits 1.
+
+``chkq cancel JOB`` stops a job on a cluster: it removes the job's messages
+still queued in the broker, revokes its tasks (terminating running ones),
+removes its temporaries, and records the job as cancelled, which ``chkq
+status`` shows.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 #: Units listed one per line at most, per step, in the detailed view.
@@ -64,6 +74,13 @@ class JobStatus:
     failed_task: str | None = None
     plan: dict[str, Any] | None = None
     steps: dict[str, list[UnitState]] = field(default_factory=dict)
+    finished: float | None = None
+    seconds: float | None = None
+    rows_written: int | None = None
+    files_read: int | None = None
+    bytes_written: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    cancelled: float | None = None
 
     @property
     def rows(self) -> tuple[int, int, int]:
@@ -120,6 +137,67 @@ def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
     return unit
 
 
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def resolve_job(text: str) -> str:
+    """The full id of the job ``text`` names: the id itself, or its first 8 or more digits.
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not 8 to 32 lowercase hex digits, or names several jobs.
+    LookupError
+        If no recorded job starts with it.
+    """
+    from chkq.naming import check_job_id
+
+    check_job_id(text)
+    if len(text) == 32:
+        return text
+    from chkq.tasks.jobs import find_jobs
+
+    found = find_jobs(text)
+    if not found:
+        raise LookupError(f"no job {text}... in the result backend (never submitted, or "
+                          "expired)")
+    if len(found) > 1:
+        raise ValueError(f"job id prefix {text} is ambiguous: it starts "
+                         + ", ".join(found[:5]) + ("..." if len(found) > 5 else ""))
+    return found[0]
+
+
+def _timestamp(value: Any) -> float | None:
+    """Seconds since the epoch of a stored ``date_done`` (ISO text or datetime), or None."""
+    if isinstance(value, datetime.datetime):
+        moment = value
+    elif isinstance(value, str):
+        try:
+            moment = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+def _add_summary(status: JobStatus, done: dict[str, Any], link_meta: dict[str, Any] | None
+                 ) -> None:
+    """Fill in what a finished job wrote, how long it took, and its warnings."""
+    status.rows_written = int(done.get("rows") or 0)
+    status.files_read = int(done.get("files") or 0)
+    status.warnings = [str(w) for w in done.get("warnings") or []]
+    try:
+        status.bytes_written = Path(str(done.get("output"))).stat().st_size
+    except OSError:
+        status.bytes_written = None
+    status.finished = _timestamp((link_meta or {}).get("date_done"))
+    if status.finished is not None and status.submitted is not None:
+        status.seconds = max(0.0, status.finished - status.submitted)
+
+
 def job_status(job: str) -> JobStatus:
     """Read the state of consolidation job ``job`` from the result backend.
 
@@ -130,7 +208,7 @@ def job_status(job: str) -> JobStatus:
     """
     from chkq.naming import check_job_id
     from chkq.tasks.consolidate import task_id
-    from chkq.tasks.jobs import finished_result, job_info
+    from chkq.tasks.jobs import cancelled, finished_result, job_info
 
     check_job_id(job)
     info = job_info(job) or {}
@@ -159,9 +237,15 @@ def job_status(job: str) -> JobStatus:
               if u.state == "FAILURE"]
     real = [(s, u) for s, u in causes
             if not (s in ("merge",) and u.error and u.error.startswith("ChordError"))]
+    cancel = cancelled(job) if done is None else None
     if done is not None:
         link = UnitState(job, "SUCCESS")
         status.state, status.phase, status.output = "SUCCESS", "done", str(done.get("output"))
+        _add_summary(status, done, link_meta)
+    elif cancel is not None:
+        status.state, status.phase = "CANCELLED", "cancelled"
+        status.cancelled = float(cancel.get("cancelled") or 0) or None
+        status.error = f"cancelled {_when(status.cancelled)}"
     elif link.state == "FAILURE" or causes:
         status.state, status.phase = "FAILURE", "failed"
         if real:
@@ -238,6 +322,16 @@ def format_job(status: JobStatus) -> str:
                      f"submitted {_when(status.submitted)}")
     if status.output:
         lines.append(f"  output {status.output}")
+    if status.rows_written is not None:
+        size = (f", {status.bytes_written / 1e6:,.1f} MB" if status.bytes_written is not None
+                else "")
+        took = f" in {status.seconds:.1f} s" if status.seconds is not None else ""
+        lines.append(f"  wrote {status.rows_written:,} rows from {status.files_read:,} files"
+                     f"{size}{took}")
+    for warning in status.warnings:
+        lines.append(f"  warning: {warning}")
+    if status.cancelled is not None:
+        lines.append(f"  cancelled {_when(status.cancelled)}")
     if total:
         lines.append(f"  rows copied {copied:,}/{total:,}, verified {verified:,}/{total:,}")
     for step in STEPS:
@@ -273,7 +367,9 @@ def format_recent(statuses: list[JobStatus]) -> str:
     for s in statuses:
         copied, verified, total = s.rows
         if s.state == "SUCCESS":
-            detail = s.output or ""
+            detail = (s.output or "") + (f" ({len(s.warnings)} warnings)" if s.warnings else "")
+        elif s.state == "CANCELLED":
+            detail = s.error or "cancelled"
         elif s.state == "FAILURE":
             detail = f"{s.failed_task}: {s.error}"
         elif total:
@@ -312,22 +408,172 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             print(format_recent(statuses))
         return 0
-    status = job_status(args.job)
+    status = job_status(resolve_job(args.job))
     print(json.dumps(asdict(status), indent=2, default=str) if args.json else format_job(status))
+    sys.stdout.flush()
     if status.state == "FAILURE":
         print(f"error: job {status.job} failed in {status.failed_task}: {status.error}",
               file=sys.stderr)
         return 1
+    if status.state == "CANCELLED":
+        print(f"error: job {status.job} was {status.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+#: How long ``chkq cancel`` waits for the job's running tasks to stop.
+CANCEL_WAIT_SECONDS = 15.0
+
+
+def job_task_ids(job: str, plan: dict[str, Any] | None) -> list[str]:
+    """Every task and group id the job has or will have (as far as its plan tells)."""
+    from chkq.tasks.consolidate import task_id
+
+    ids = [task_id(job, "plan"), task_id(job, "merge"), job, f"{job}-copies", f"{job}-verifies"]
+    if plan:
+        ids += [task_id(job, "copy", n) for n in range(int(plan.get("copy_units") or 0))]
+        ids += [task_id(job, "verify", n) for n in range(int(plan.get("verify_units") or 0))]
+    return ids
+
+
+def _of_job(task: str, job: str) -> bool:
+    return task == job or task.startswith(job + "-")
+
+
+def purge_queued(job: str) -> int:
+    """Remove the job's messages still waiting in the broker's queues; return how many.
+
+    A revoke reaches only the workers alive now: a message left in a queue
+    would run on a worker started later. kombu's Redis transport keeps each
+    queue as lists (one per priority step) of JSON messages whose headers
+    carry the task id.
+    """
+    import redis
+
+    from chkq.config.celery_app import app
+    from chkq.config.routing import QUEUES
+
+    client = redis.Redis.from_url(app.conf.broker_url)
+    removed = 0
+    try:
+        for queue in QUEUES:
+            keys = [k for k in client.scan_iter(match=f"{queue}*", count=1000)
+                    if k.decode(errors="replace") == queue
+                    or k.decode(errors="replace").startswith(queue + "\x06\x16")]
+            for key in keys:
+                for raw in client.lrange(key, 0, -1):
+                    try:
+                        task = json.loads(raw).get("headers", {}).get("id", "")
+                    except (ValueError, AttributeError):
+                        continue
+                    if isinstance(task, str) and _of_job(task, job):
+                        removed += int(client.lrem(key, 0, raw))  # type: ignore[arg-type]
+    finally:
+        client.close()
+    return removed
+
+
+def _running_tasks(job: str) -> list[str]:
+    """Ids of the job's tasks that live workers are running or hold reserved."""
+    from chkq.config.celery_app import app
+
+    inspect = app.control.inspect(timeout=1.0)
+    found = []
+    for replies in (inspect.active() or {}, inspect.reserved() or {}):
+        for tasks in replies.values():
+            found += [t["id"] for t in tasks or [] if _of_job(str(t.get("id")), job)]
+    return found
+
+
+def cancel_job(job: str) -> str:
+    """Cancel consolidation job ``job`` on the cluster; return what was done, for people.
+
+    Order matters: record the cancellation first (so nothing takes it for a
+    lost job), remove queued messages, revoke and terminate running tasks,
+    wait for them to stop, then remove the temporaries they were writing.
+
+    Raises
+    ------
+    LookupError
+        Unknown job.
+    ValueError
+        The job already finished or failed: there is nothing to cancel.
+    """
+    from chkq.config.celery_app import app
+    from chkq.finalize import discard_job_files
+    from chkq.naming import JobFiles
+    from chkq.tasks.jobs import record_cancelled
+
+    status = job_status(job)
+    if status.state == "SUCCESS":
+        raise ValueError(f"job {job} already finished ({status.output}): nothing to cancel")
+    if status.state == "FAILURE":
+        raise ValueError(f"job {job} already failed ({status.error}): nothing to cancel")
+    if status.state == "CANCELLED":
+        return f"job {job} was already {status.error}"
+    record_cancelled(job)
+    purged = purge_queued(job)
+    ids = job_task_ids(job, status.plan)
+    app.control.revoke(ids, terminate=True, signal="SIGTERM")
+    deadline = time.monotonic() + CANCEL_WAIT_SECONDS
+    running = _running_tasks(job)
+    stopped = len(running)
+    while running and time.monotonic() < deadline:
+        extra = job_task_ids(job, job_status(job).plan)
+        if extra != ids:  # the plan finished meanwhile: its copies too
+            app.control.revoke([i for i in extra if i not in ids], terminate=True)
+            ids = extra
+        time.sleep(0.5)
+        running = _running_tasks(job)
+    purged += purge_queued(job)
+    app.backend.mark_as_revoked(job, reason="cancelled")
+    removed: list[Path] = []
+    where = ""
+    if status.out_dir and status.model:
+        try:
+            removed = discard_job_files(JobFiles(Path(status.out_dir), status.model, job))
+        except OSError as exc:
+            where = f"; its temporaries in {status.out_dir} could not be removed here ({exc})"
+    still = f", {len(running)} still stopping" if running else ""
+    return (f"cancelled job {job}: {purged} queued tasks removed, {stopped} running tasks "
+            f"stopped{still}, {len(removed)} temporary files removed{where}")
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """``chkq cancel JOB``."""
+    from chkq.config.celery_app import settings
+
+    if not settings.broker_url:
+        raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
+                         "embedded cluster ends with its command)")
+    print(cancel_job(resolve_job(args.job)))
     return 0
 
 
 def register(sub: Any) -> None:
-    """Add ``chkq status [JOB] [--limit N] [--json]`` to the ``chkq`` command line."""
+    """Add ``chkq status [JOB] [--limit N] [--json]`` and ``chkq cancel JOB``."""
     p = sub.add_parser(
         "status", help="show a job's steps (done, running, failed and why), or recent jobs",
         description="Read the state of consolidation jobs from the result backend "
         "(CHKQ_RESULT_BACKEND or CHKQ_BROKER_URL). Exit status 1 if JOB failed or is unknown.")
-    p.add_argument("job", nargs="?", help="job id (default: list the recent jobs)")
-    p.add_argument("--limit", type=int, default=20, help="recent jobs to list (default: 20)")
+    p.add_argument("job", nargs="?", help="job id, or its first 8 or more digits "
+                   "(default: list the recent jobs)")
+    p.add_argument("--limit", type=_positive, default=20,
+                   help="recent jobs to list (default: 20)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser(
+        "cancel", help="cancel a job: revoke its tasks, remove its temporaries",
+        description="Cancel a consolidation job on the cluster: remove its queued tasks, "
+        "terminate its running ones, remove its temporary files, and record it as "
+        "cancelled (chkq status shows it). Its checkpoints are never touched.")
+    p.add_argument("job", help="job id, or its first 8 or more digits")
+    p.set_defaults(func=cmd_cancel)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
