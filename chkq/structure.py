@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
+import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... with HDF5)
 from h5py import h5a, h5d, h5f, h5o, h5s, h5t, h5z
 
 from chkq.h5types import element_count, type_key
@@ -85,6 +86,10 @@ _SIGNATURES: dict[bytes, str] = {}
 #: declares more rows than its stored bytes could hold at that ratio is refused.
 MAX_FILTER_RATIO = 1100
 
+#: Bytes of rows a dataset may declare beyond what it stores (rows never written read as
+#: the fill value): enough for datasets created ahead of their data, not for forged sizes.
+UNWRITTEN_SLACK = 16 * 1024 * 1024
+
 
 def _signature_of(tid: h5t.TypeID) -> str:
     """``type_key`` cached by the type's binary encoding (equal encoding, equal type)."""
@@ -126,7 +131,8 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID, extensible: bool) 
         return
     chunk_bytes = dsid.get_type().get_size() * element_count(dcpl.get_chunk())
     stored = dsid.get_storage_size()
-    limit = (stored * MAX_FILTER_RATIO if filtered else stored) + chunk_bytes
+    limit = (stored * MAX_FILTER_RATIO if filtered else stored) + max(chunk_bytes,
+                                                                      UNWRITTEN_SLACK)
     if declared > limit:
         raise ValueError(f"{where} declares {space.shape[0]} rows ({declared} bytes) but "
                          f"stores only {stored} bytes: the file is damaged or forged")
@@ -170,13 +176,13 @@ def scan_file(path: Path) -> FileScan:
                     maxdims: tuple[int, ...] = (
                         space.get_simple_extent_dims(True) if space.shape else ())
                     extensible = any(m == h5s.UNLIMITED for m in maxdims)
+                    if extensible and maxdims[0] != h5s.UNLIMITED:
+                        raise ValueError(
+                            f"dataset '/{name}' of checkpoint file {str(path)!r} is "
+                            "unlimited along another axis than the first: chkq "
+                            "concatenates rows along the first axis only")
                     check_storage(path, name, dsid, extensible)
                     if extensible:
-                        if maxdims[0] != h5s.UNLIMITED:
-                            raise ValueError(
-                                f"dataset '/{name}' of checkpoint file {str(path)!r} is "
-                                "unlimited along another axis than the first: chkq "
-                                "concatenates rows along the first axis only")
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(dsid.get_type())
                         scan.objects[name] = f"extensible {signature} {trailing}"

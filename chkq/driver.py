@@ -1,0 +1,50 @@
+"""A Celery-free driver: one consolidation job, every step, in this process.
+
+It calls the very functions the tasks call (plan, copy, merge, verify, the
+whole-output check, link, cleanup), in the canvas's order, keeping the
+job's records in memory instead of Redis. It exists for fast tests of the
+core (no broker, no workers) and as a reading aid: this is the whole job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from pathlib import Path
+
+from chkq.copy_rows import copy_unit
+from chkq.finalize import discard_job_files, link_output, remove_checkpoints
+from chkq.merge import merge_parts, remove_parts
+from chkq.output_check import check_output
+from chkq.planner import DEFAULT_BLOCK_BYTES, prepare
+from chkq.verify_rows import digests_by_dataset, verify_files
+
+
+def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
+                     block_bytes: int = DEFAULT_BLOCK_BYTES,
+                     task_bytes: int = DEFAULT_BLOCK_BYTES, task_files: int = 64) -> Path:
+    """Consolidate ``model``'s checkpoints in ``out_dir`` here and now; return the output.
+
+    Raises what the job would (FileNotFoundError, FileExistsError,
+    ValueError...), having removed the job's temporaries.
+    """
+    job_id = uuid.uuid4().hex
+    plan = prepare(out_dir, model, job_id, cleanup=cleanup, block_bytes=block_bytes,
+                   task_bytes=task_bytes, task_files=task_files)
+    try:
+        copies = {unit: copy_unit(plan, unit).digests for unit in range(len(plan.copy_units))}
+        merge_parts(plan)
+        remove_parts(plan)
+        digests = digests_by_dataset(copies, plan)
+        for first, stop in plan.verify_units:
+            verify_files(plan, first, stop, digests)
+        check_output(plan.job.temp, Path(plan.reference_file),
+                     rows={d.name: d.total for d in plan.datasets},
+                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
+        output = link_output(plan)
+        if cleanup:
+            remove_checkpoints(plan)
+        return output
+    finally:
+        with contextlib.suppress(OSError):
+            discard_job_files(plan.job)
