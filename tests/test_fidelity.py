@@ -238,7 +238,7 @@ def test_creation_properties_and_userblock_kept(tmp_path: Path) -> None:
         assert o.userblock_size == 512
         assert o["scalar"][()] == 3.5
         assert o["null"].shape is None
-    assert open(out, "rb").read(38) == b"MATLAB 7.3 MAT-file, written by a test"
+    assert out.read_bytes()[:38] == b"MATLAB 7.3 MAT-file, written by a test"
 
 
 @pytest.mark.parametrize("case, message", [
