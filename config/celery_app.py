@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
 from kombu import pools as kombu_pools
@@ -20,7 +20,9 @@ from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import prepare_accept_content
 from kombu.utils.encoding import safe_repr
 
+from chkq.config.limits import CONF_KEY, REQUEST_CLASS
 from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
+from chkq.config.security import install_signing, signing_config
 from chkq.config.settings import Settings
 
 TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
@@ -127,6 +129,12 @@ def _body_problem(body: Any) -> str | None:
     return None
 
 
+class _LimitedTask(Task):
+    """The app's default task class: time limits are the worker's (:mod:`chkq.config.limits`)."""
+
+    Request = REQUEST_CLASS
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings for a long-running I/O pipeline (see NOTES.md).
 
@@ -134,6 +142,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     removed only after its task finished, and a worker that dies hands its
     one reserved message back. The visibility timeout exceeds the hard time
     limit so a running task is never delivered twice at once.
+
+    The time limits are not Celery's ``task_time_limit`` settings: those
+    would go into every message a client sends, and a message's limits are
+    not trusted. They are the worker's (:mod:`chkq.config.limits`). With
+    ``CHKQ_SECURITY_*`` set, messages are signed (:mod:`chkq.config.security`).
     """
     broker = settings.broker_url or "redis://127.0.0.1:6379/0"
     return {
@@ -152,8 +165,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
-        "task_soft_time_limit": settings.soft_time_limit,
-        "task_time_limit": settings.time_limit,
+        CONF_KEY: (settings.time_limit, settings.soft_time_limit),
         "result_expires": settings.result_expires,
         "result_chord_expires": settings.result_expires,
         "result_extended": True,
@@ -166,14 +178,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_consumer": "chkq.config.celery_app:GuardedConsumer",
+        **signing_config(settings),
     }
 
 
 def make_app(settings: Settings | None = None) -> Celery:
     """Build the chkq Celery app from ``settings`` (default: the environment)."""
     settings = settings or Settings.from_env()
-    celery = Celery("chkq", include=list(TASK_MODULES))
+    # Every task of the app (chkq.fail, Celery's built-in tasks) caps the
+    # time limits of its messages at the worker's; ChkqTask names the same class.
+    celery = Celery("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
     celery.conf.update(celery_config(settings))
+    install_signing(celery, settings)
     return celery
 
 

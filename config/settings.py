@@ -47,7 +47,8 @@ class Settings:
         small checkpoint files are batched up to this many.
     soft_time_limit, time_limit
         Per-task time limits in seconds (``CHKQ_SOFT_TIME_LIMIT``,
-        ``CHKQ_TIME_LIMIT``).
+        ``CHKQ_TIME_LIMIT``), the worker's: a message may ask for shorter
+        ones, never longer (:mod:`chkq.config.limits`); clients send none.
     visibility_timeout
         Redis visibility timeout in seconds (``CHKQ_VISIBILITY_TIMEOUT``):
         an unacknowledged message is delivered again after this long, so it
@@ -72,6 +73,13 @@ class Settings:
         Directories tasks may touch (``CHKQ_ALLOWED_ROOTS``, separated by
         ``:``); empty allows any. Set it in deployments: task messages are
         untrusted input.
+    security_key, security_certificate, security_cert_store
+        Message signing (``CHKQ_SECURITY_KEY``: PEM RSA private key file,
+        ``CHKQ_SECURITY_CERTIFICATE``: its PEM certificate,
+        ``CHKQ_SECURITY_CERT_STORE``: directory of the PEM certificates whose
+        signatures workers accept). All three or none: when set, task and
+        remote-control messages are signed and unsigned ones refused
+        (:mod:`chkq.config.security`); off when unset.
     """
 
     broker_url: str | None = None
@@ -86,6 +94,9 @@ class Settings:
     result_expires: int = 7 * 24 * 3600
     max_redeliveries: int = 3
     allowed_roots: tuple[str, ...] = ()
+    security_key: str | None = None
+    security_certificate: str | None = None
+    security_cert_store: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -105,6 +116,9 @@ class Settings:
             max_redeliveries=_int("CHKQ_MAX_REDELIVERIES", cls.max_redeliveries),
             allowed_roots=tuple(
                 p for p in os.environ.get("CHKQ_ALLOWED_ROOTS", "").split(os.pathsep) if p),
+            security_key=os.environ.get("CHKQ_SECURITY_KEY") or None,
+            security_certificate=os.environ.get("CHKQ_SECURITY_CERTIFICATE") or None,
+            security_cert_store=os.environ.get("CHKQ_SECURITY_CERT_STORE") or None,
         )
         settings.check()
         return settings
@@ -124,6 +138,17 @@ class Settings:
                 "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
                 "running would be delivered again and run twice at once"
             )
+        security = (self.security_key, self.security_certificate, self.security_cert_store)
+        if any(security) and not all(security):
+            raise ValueError(
+                "message signing needs all of CHKQ_SECURITY_KEY, CHKQ_SECURITY_CERTIFICATE "
+                "and CHKQ_SECURITY_CERT_STORE (or none of them)"
+            )
+
+    @property
+    def signing(self) -> bool:
+        """True when task messages are signed and only signed ones accepted."""
+        return self.security_key is not None
 
     @property
     def restore_every(self) -> int:

@@ -38,6 +38,7 @@ class ChkqTask(Task):
     """Base class of chkq tasks (see module docstring)."""
 
     abstract = True
+    Request = "chkq.config.limits:WorkerLimitsRequest"  # time limits are the worker's
     _last_report = 0.0
 
     def check_deliveries(self) -> None:

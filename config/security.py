@@ -1,0 +1,151 @@
+"""Signed task messages: broker write access alone runs nothing (SPEC, trust model).
+
+With ``CHKQ_SECURITY_KEY``, ``CHKQ_SECURITY_CERTIFICATE`` and
+``CHKQ_SECURITY_CERT_STORE`` set, chkq uses Celery's message signing: every
+task and remote-control message is serialized by the ``auth`` serializer
+(JSON, signed with the private key; RSA-PSS, SHA-256), and a worker accepts
+only messages whose signature verifies against a certificate of the store.
+A message without a signature (plain JSON), signed by a key whose certificate
+is not in the store, or signed by a key that does not match the certificate
+it names, is discarded with a log line, and the worker goes on.
+
+What stays unsigned: results (JSON in the result backend, read by clients),
+task events (JSON, shown by Flower) and the message headers (task name, id,
+``timelimit``, ``eta``...): Celery signs the body (arguments) only. A party
+with broker access can therefore replay a captured message or re-address its
+signed arguments to another task; chkq's tasks are idempotent and check their
+arguments, the time limits are the worker's (:mod:`chkq.config.limits`), and
+the Redis password keeps such parties off the broker in the first place.
+
+Celery's ``auth`` deserializer decodes the signed bytes with the content type
+named *beside* the signature, outside what is signed, and with ``force=True``
+(no accept list). :class:`StrictSecureSerializer` accepts JSON only there, so
+that a signed body can never be fed to another decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from celery.exceptions import SecurityError
+from celery.security.certificate import Certificate, FSCertStore
+from celery.security.key import PrivateKey
+from celery.security.serialization import SecureSerializer
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import padding
+from kombu.serialization import loads, registry
+
+from chkq.config.settings import Settings
+
+#: The digest the messages are signed with.
+DIGEST = "sha256"
+
+#: Content type of the JSON that a signed message carries, and its encoding.
+_INNER = ("application/json", "utf-8")
+
+
+class StrictSecureSerializer(SecureSerializer):
+    """Celery's signing serializer, refusing signed payloads that are not JSON.
+
+    It also verifies signatures itself: Celery 5.7's ``Certificate.verify``
+    turns a bad signature into ``TypeError('catching classes that do not
+    inherit from BaseException...')`` (its ``reraise_errors`` is given the
+    ``cryptography.exceptions`` module as the exception class). The message
+    is refused either way, but the log should say why.
+    """
+
+    def deserialize(self, data: Any) -> Any:
+        """Verify ``data``'s signature and decode its JSON body.
+
+        Raises
+        ------
+        celery.exceptions.SecurityError
+            If ``data`` is not a signed message, names an inner content type
+            other than JSON, its signer's certificate is not in the store (or
+            expired), or its signature does not verify.
+        """
+        try:
+            payload = self._unpack(data)
+        except Exception as exc:  # noqa: BLE001 - any garbage is a security error here
+            raise SecurityError(f"not a signed message: {exc!r}") from None
+        inner = (payload["content_type"], payload["content_encoding"].lower())
+        if inner != _INNER:
+            raise SecurityError(f"signed message carries {inner[0]!r}, not JSON")
+        certificate = self._cert_store[payload["signer"]]  # SecurityError if unknown
+        if certificate.has_expired():
+            raise SecurityError(f"expired certificate: {certificate.get_id()!r}")
+        try:
+            certificate.get_pubkey().verify(
+                payload["signature"], payload["body"],
+                padding.PSS(mgf=padding.MGF1(self._digest), salt_length=padding.PSS.MAX_LENGTH),
+                self._digest)
+        except InvalidSignature:
+            raise SecurityError(
+                f"bad signature: not signed by the key of {certificate.get_id()!r}") from None
+        return loads(payload["body"], *_INNER, force=True)
+
+
+def signing_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for signed messages, or none when signing is off.
+
+    Task and remote-control messages are signed (Celery's control mailbox
+    uses the task serializer and accept list); results and events stay JSON.
+    """
+    if not settings.signing:
+        return {}
+    return {
+        "task_serializer": "auth",
+        "accept_content": ["auth"],
+        "result_serializer": "json",
+        "result_accept_content": ["json"],
+        "event_serializer": "json",
+        "security_key": settings.security_key,
+        "security_certificate": settings.security_certificate,
+        "security_cert_store": settings.security_cert_store,
+        "security_digest": DIGEST,
+    }
+
+
+def _read(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+
+
+def install_signing(app: Celery, settings: Settings) -> None:
+    """Sign this process's messages and verify those it receives, if settings ask.
+
+    Celery's ``setup_security`` checks the configuration and disables every
+    serializer but JSON; then the ``auth`` serializer (process-wide, as in
+    Celery) is replaced by :class:`StrictSecureSerializer`.
+
+    Raises
+    ------
+    ValueError
+        If the key, the certificate or the store cannot be read, the store
+        holds no certificate, or the key does not match the certificate.
+    """
+    if not settings.signing:
+        return
+    assert settings.security_key and settings.security_certificate
+    assert settings.security_cert_store
+    key_pem = _read(settings.security_key, "private key (CHKQ_SECURITY_KEY)")
+    cert_pem = _read(settings.security_certificate, "certificate (CHKQ_SECURITY_CERTIFICATE)")
+    store_path = settings.security_cert_store
+    if not os.path.isdir(store_path) or not os.listdir(store_path):
+        raise ValueError(f"CHKQ_SECURITY_CERT_STORE {store_path!r} must be a directory "
+                         "holding the PEM certificates of the trusted signers")
+    try:
+        key, cert, store = PrivateKey(key_pem), Certificate(cert_pem), FSCertStore(store_path)
+    except (SecurityError, ValueError, TypeError, OSError) as exc:
+        raise ValueError(f"message signing is misconfigured: {exc}") from None
+    if key._key.public_key().public_numbers() != cert.get_pubkey().public_numbers():
+        raise ValueError("CHKQ_SECURITY_KEY does not match CHKQ_SECURITY_CERTIFICATE")
+    app.setup_security(allowed_serializers=["json"], digest=DIGEST, serializer="json")
+    strict = StrictSecureSerializer(key, cert, store, DIGEST, serializer="json")
+    registry.register("auth", strict.serialize, strict.deserialize,
+                      content_type="application/data", content_encoding="utf-8")
