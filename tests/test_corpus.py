@@ -31,6 +31,9 @@ from tests.corpus_expect import compare_full, template_of, walk
 pytestmark = pytest.mark.corpus
 
 TIMEOUT = 120
+# chkq's errors for a written output that failed its read-back checks, or for
+# inputs that changed under the job: failures, never acceptable refusals.
+NOT_REFUSALS = {"OutputMismatchError", "CheckpointChangedError", "CheckpointCorruptionError"}
 MODEL = "run"
 
 # One or two of each producer and of each problem class: fast enough for every run.
@@ -109,6 +112,10 @@ def test_corpus_file(corpus_case: str, tmp_path: Path, worker: object) -> None:
         output = submit_consolidation(MODEL, run_dir, False).wait_for_output(timeout=TIMEOUT)
     except (ValueError, TypeError, NotImplementedError) as e:
         message = f"{type(e).__name__}: {e}"
+        # A refusal comes before anything is written; chkq's own read-back
+        # check failing means it wrote a wrong output: not a refusal.
+        assert type(e).__name__ not in NOT_REFUSALS, (
+            f"the job wrote an output that its own verification rejected: {message}")
         assert not (run_dir / f"{MODEL}.h5").exists(), f"refused but wrote output: {message}"
         assert snapshot(run_dir) == before, f"refused but changed the run: {message}"
         assert names_an_object(str(e), template_of(files), tmp_path), (
