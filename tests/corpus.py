@@ -475,6 +475,6 @@ def resolve(case: str, scratch: Path) -> tuple[Path, list[Path]]:
 
 
 def pytest_addoption(parser: object) -> None:
-    """``pytest -p tests.corpus -m corpus --corpus-all``: the whole corpus."""
+    """``python -m pytest -p tests.corpus -m corpus --corpus-all``: the whole corpus."""
     parser.addoption("--corpus-all", action="store_true", default=False,  # type: ignore[attr-defined]
                      help="run every corpus file (default: a representative subset)")

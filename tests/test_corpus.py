@@ -10,7 +10,7 @@ left the run directory exactly as it was. Anything else fails.
 
 By default a representative subset runs; the whole corpus with
 ``CHKQ_CORPUS=all pytest -m corpus tests/test_corpus.py`` (or
-``pytest -p tests.corpus -m corpus --corpus-all``).
+``python -m pytest -p tests.corpus -m corpus --corpus-all``).
 """
 
 from __future__ import annotations
