@@ -1255,7 +1255,8 @@ class CheckpointLog:
                     data = self._verified(record, self._decode_delta(record, base), cache=False)
             except CheckpointCorruptionError as exc:
                 if record.id not in missing:
-                    report.problems.append((record.payload, _why(exc)))
+                    report.problems.append(
+                        (record.payload, f"checkpoint {record.id}: {_why(exc)}"))
                 for child in _descendants(children, record.id):
                     reached.add(child.id)
                     report.problems.append(

@@ -11,8 +11,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ from chkq.stores import (
     MemoryStore,
     open_store,
 )
-from tests.plugins.object_stores import BUCKET, FaultProxy
+from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy
 
 MiB = 1 << 20
 
@@ -341,3 +344,98 @@ def test_gcs_briefly_unreachable_is_retried(gcs_proxy: FaultProxy) -> None:
     assert time.monotonic() - start >= 0.9
     assert gcs_proxy.refused >= 1
     assert store.get("obj") == b"data"
+
+
+# bounded waits -------------------------------------------------------------------
+
+
+AWS_TEST_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _timed_failure(operation: Callable[[], object]) -> tuple[float, str]:
+    from chkq.stores import TransientStoreError
+
+    start = time.monotonic()
+    with pytest.raises(TransientStoreError) as caught:
+        operation()
+    return time.monotonic() - start, str(caught.value)
+
+
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_store_that_stops_answering_fails_within_its_budget(
+        kind: str, black_hole: BlackHole, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #12 (5): connect and read timeouts, one retry budget per operation, no library
+    retries inside it; the error names the store and the key."""
+    from chkq.stores.base import StoreTimeouts
+
+    timeouts = StoreTimeouts(connect=1.0, read=1.0, budget=2.5)
+    store: CheckpointStore
+    if kind == "s3":
+        from chkq.stores import S3Store
+
+        for name, value in AWS_TEST_ENV.items():
+            monkeypatch.setenv(name, value)
+        store = S3Store(BUCKET, "silent", endpoint_url=black_hole.url, timeouts=timeouts)
+    else:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        from chkq.stores import GCSStore
+
+        client = storage.Client(project="test", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": black_hole.url})
+        store = GCSStore(BUCKET, "silent", client=client, timeouts=timeouts)
+    key = "runs/r1/records/" + "ab" * 32 + ".json"
+    for operation in (lambda: store.get(key), lambda: store.put_if_absent(key, b"x"),
+                      lambda: store.list("runs/r1/")):
+        black_hole.accepted = 0
+        elapsed, message = _timed_failure(operation)
+        assert elapsed <= timeouts.worst_case + 1.0, elapsed
+        assert store.url in message
+        assert ("runs/r1/" if operation.__code__.co_names[-1] == "list" else key) in message
+        assert 2 <= black_hole.accepted <= 4, "one retry layer: a few attempts, not 4 x 8"
+
+
+def test_store_timeouts_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chkq.stores.base import StoreTimeouts
+
+    monkeypatch.setenv("CHKQ_STORE_READ_TIMEOUT", "2.5")
+    monkeypatch.setenv("CHKQ_STORE_RETRY_SECONDS", "7")
+    assert StoreTimeouts.from_env() == StoreTimeouts(connect=5.0, read=2.5, budget=7.0)
+    assert StoreTimeouts().worst_case < 60
+    monkeypatch.setenv("CHKQ_STORE_CONNECT_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="CHKQ_STORE_CONNECT_TIMEOUT"):
+        StoreTimeouts.from_env()
+
+
+def _cli(*args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
+    environment.update(env)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args], env=environment,
+                          capture_output=True, text=True, timeout=90)
+    return done, time.monotonic() - start
+
+
+def test_cli_on_a_silent_gcs_endpoint_fails_well_under_a_minute_by_default(
+        black_hole: BlackHole) -> None:
+    """The reported hang: a GCS endpoint that accepts connections and never answers.
+    With the default settings, ``chkq log list`` gives up with one clear line."""
+    done, elapsed = _cli("log", "list", f"gs://{BUCKET}/silent", "r1",
+                         env={"STORAGE_EMULATOR_HOST": black_hole.url})
+    assert done.returncode == 1
+    assert elapsed < 45, elapsed
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"error: store gs://{BUCKET}/silent: list 'runs/r1/'")
+
+
+def test_cli_store_timeouts_are_configurable(black_hole: BlackHole) -> None:
+    done, elapsed = _cli("log", "list", f"s3://{BUCKET}/silent", "r1",
+                         env={**AWS_TEST_ENV, "AWS_ENDPOINT_URL": black_hole.url,
+                              "CHKQ_STORE_READ_TIMEOUT": "1", "CHKQ_STORE_RETRY_SECONDS": "1"})
+    assert done.returncode == 1
+    assert elapsed < 10, elapsed
+    assert done.stderr.startswith(f"error: store s3://{BUCKET}/silent: list 'runs/r1/'")
+    assert "retry budget 1 s" in done.stderr

@@ -345,3 +345,44 @@ def gcs_proxy(gcs_endpoint: str) -> Iterator[FaultProxy]:
     proxy = FaultProxy(gcs_endpoint)
     yield proxy
     proxy.close()
+
+
+class BlackHole:
+    """A TCP endpoint that accepts every connection and never answers (nor closes).
+
+    What a store looks like when it stops answering: connections succeed,
+    requests are sent, no byte ever comes back.
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.accepted = 0
+        self._held: list[socket.socket] = []
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            self._held.append(client)
+
+    def close(self) -> None:
+        self._closed = True
+        _shut(self._listener)
+        for sock in self._held:
+            _shut(sock)
+
+
+@pytest.fixture
+def black_hole() -> Iterator[BlackHole]:
+    """A :class:`BlackHole` for one test."""
+    hole = BlackHole()
+    yield hole
+    hole.close()
