@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -232,7 +233,7 @@ def test_cloud_urls(request: pytest.FixtureRequest) -> None:
 # S3 specifics --------------------------------------------------------------
 
 
-def _s3(endpoint: str, prefix: str, **options: int) -> CheckpointStore:
+def _s3(endpoint: str, prefix: str, **options: Any) -> CheckpointStore:
     from chkq.stores import S3Store
 
     return S3Store(BUCKET, prefix, endpoint_url=endpoint, **options)
