@@ -5,8 +5,9 @@ by two at once), on the output the planner made (checked by inode).
 ``chunks`` datasets receive their part files' encoded chunks with
 ``read_direct_chunk``/``write_direct_chunk`` (no decompression); ``whole``
 datasets (variable-length data, references) receive their rows through
-HDF5, file by file, each object or region reference re-pointed to the
-object of the same name in the output.
+HDF5, file by file, in HDF5's own memory form (:mod:`chkq.vlen`), each
+object or region reference re-pointed to the object of the same name in
+the output.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import h5py
 import numpy as np
 from h5py import h5r, h5t
 
+from chkq import vlen
 from chkq.copy_rows import open_source
 from chkq.plan import DatasetPlan, Plan
 from chkq.rowio import block_rows
@@ -90,13 +92,15 @@ def _copy_whole(plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
                 if stop == start:
                     continue
                 src, dst = source[d.name], out[d.name]
+                tid = dst.id.get_type()
                 step = min(WHOLE_BLOCK_ROWS, block_rows(d.row_bytes, plan.block_bytes))
                 for lo in range(0, stop - start, step):
                     hi = min(stop - start, lo + step)
-                    rows = src[lo:hi]
-                    if src.id.get_type().get_class() == h5t.REFERENCE:
-                        rows = repoint(rows, source, out, d.name)
-                    dst[start + lo:start + hi] = rows
+                    if tid.get_class() == h5t.REFERENCE:
+                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name)
+                    else:
+                        with vlen.read_rows(src.id, lo, hi - lo, tid) as rows:
+                            vlen.write_rows(dst.id, start + lo, rows, tid)
                     moved += (hi - lo) * d.row_bytes
         finally:
             fid.close()

@@ -317,8 +317,41 @@ def read_dataset(f: h5py.File, tree: Tree, ds: h5py.Dataset) -> Any:
     try:
         value = ds[()]
     except Exception as e:  # noqa: BLE001
-        return (f"<unreadable: {type(e).__name__}: {e}>",)
+        sequences = _vlen_sequences(dsid, t, shape)
+        if sequences is None:
+            return (f"<unreadable: {type(e).__name__}: {e}>",)
+        return ("decoded", ("array", shape, sequences))
     return ("decoded", canonical(value, f, tree))
+
+
+def _vlen_sequences(dsid: Any, t: h5t.TypeID, shape: tuple[int, ...]) -> tuple[bytes, ...] | None:
+    """Bytes of each sequence of a vlen dataset numpy has no type for (e.g. of H5T_TIME).
+
+    Read in HDF5's memory form (``hvl_t``: length, pointer), with HDF5 itself
+    through ctypes, and freed with ``H5Treclaim``.
+    """
+    if t.get_class() != h5t.VLEN or needs_decoding(t.get_super()):
+        return None
+    import ctypes
+    import glob
+    import os
+
+    libs = glob.glob(os.path.join(os.path.dirname(h5py.__file__), os.pardir, "h5py.libs",
+                                  "libhdf5-*.so*"))
+    lib = ctypes.CDLL(libs[0] if libs else "libhdf5.so")
+    buf = np.zeros(shape, dtype="V16")
+    if not buf.size:
+        return ()
+    dsid.read(h5s.ALL, h5s.ALL, buf, mtype=t)
+    base = t.get_super().get_size()
+    raw = buf.reshape(-1).view(np.uint8).reshape(-1, 16)
+    lengths = raw[:, :8].copy().view(np.uint64).reshape(-1)
+    pointers = raw[:, 8:].copy().view(np.uint64).reshape(-1)
+    found = tuple(ctypes.string_at(int(p), int(n) * base) if n else b""
+                  for n, p in zip(lengths, pointers, strict=True))
+    lib.H5Treclaim.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.H5Treclaim(t.id, h5s.create_simple(shape).id, 0, buf.ctypes.data)
+    return found
 
 
 def raw_chunks(ds: h5py.Dataset) -> tuple[Any, ...]:
