@@ -270,9 +270,9 @@ def _compare_objects(plan: Plan, d: DatasetPlan, source: h5py.Dataset, output: h
                     vlen.element_values(b, tid)
             if expected_values != actual_values:
                 per_row = max(1, len(expected_values) // max(hi - lo, 1))
-                bad: int = next(i for i, (x, y) in enumerate(
+                first = next(i for i, (x, y) in enumerate(
                     zip(expected_values, actual_values, strict=True)) if x != y) // per_row
-                _mismatch(d, start + lo + bad, lo + bad, path)
+                _mismatch(d, start + lo + first, lo + first, path)
         return
     for lo in range(0, end - start, step):
         hi = min(end - start, lo + step)
