@@ -566,8 +566,8 @@ class CheckpointLog:
     # reading ------------------------------------------------------------
 
     def exists(self) -> bool:
-        """Whether the store holds anything of this run."""
-        return bool(self.store.list(self._root))
+        """Whether the store holds anything of this run (records first: the common case)."""
+        return bool(self.store.list(f"{self._root}records/") or self.store.list(self._root))
 
     def _fetch_record(self, checkpoint: str) -> CheckpointRecord | None:
         cached = self._records.get(checkpoint)
