@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,3 +146,71 @@ def test_embedded_cluster_without_redis_server_uses_fakeredis(tmp_path: Path) ->
     assert done.stdout.strip() == str(tmp_path / "run.h5")
     assert done.stderr == ""
     assert_consolidated(tmp_path / "run.h5", sorted(tmp_path.glob("run_chk*/*.h5")))
+
+
+def test_version_and_help_import_no_heavy_library() -> None:
+    """``--version`` and ``--help`` import neither Celery, h5py, numpy nor boto3 (fast start)."""
+    heavy = ("celery", "kombu", "h5py", "numpy", "boto3", "google", "redis")
+    for args in (["--version"], ["--help"], ["consolidate", "--help"], ["status", "--help"],
+                 ["cancel", "--help"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "chkq.workers.cli",
+                               *args], capture_output=True, text=True, timeout=TIMEOUT)
+        assert done.returncode == 0, done.stderr
+        imported = {line.split("|")[-1].strip().split(".")[0]
+                    for line in done.stderr.splitlines() if line.startswith("import time:")}
+        assert not imported & set(heavy), (args, sorted(imported & set(heavy)))
+    listed = run("--help").stdout
+    for command in ("consolidate", "worker", "log", "watch", "flower", "status", "cancel"):
+        assert re.search(rf"^\s+{command}\s", listed, re.MULTILINE), listed
+
+
+@pytest.mark.parametrize("args", [
+    ["consolidate", "run", "--workers", "0"],
+    ["consolidate", "run", "--workers", "-3"],
+    ["consolidate", "run", "--timeout", "0"],
+    ["worker", "-c", "0"],
+    ["watch", ".", "run", "--store", "memory://x", "--run", "r", "--workers", "0"],
+    ["watch", ".", "run", "--store", "memory://x", "--run", "r", "--cleanup"],
+])
+def test_nonsense_options_are_usage_errors(args: list[str]) -> None:
+    """No worker count below 1, no ``watch --cleanup`` without ``--consolidate``: exit 2."""
+    done = run(*args)
+    assert done.returncode == 2, (args, done.stderr)
+    assert "error:" in done.stderr.splitlines()[-1]
+    assert done.stdout == ""
+
+
+def test_a_missing_directory_is_file_not_found(tmp_path: Path) -> None:
+    """In Python, a missing output directory raises FileNotFoundError naming it."""
+    missing = tmp_path / "nowhere"
+    script = f"""
+import chkq
+try:
+    chkq.consolidate_checkpoints("run", {str(missing)!r}, workers=1)
+except FileNotFoundError as exc:
+    assert {str(missing)!r} in str(exc), exc
+    print("FileNotFoundError")
+"""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "FileNotFoundError"
+
+
+def test_cleanup_warnings_and_summary_reach_the_user(tmp_path: Path) -> None:
+    """A checkpoint directory kept by --cleanup is a ``warning:`` line; -v adds the summary."""
+    make_run(tmp_path, "run", RunShape(checkpoints=2, writers=2, trials=50))
+    (tmp_path / "run_chk00001" / "notes.txt").write_text("keep me")
+    done = run("consolidate", "run", "--out-dir", str(tmp_path), "--workers", "1", "--cleanup",
+               "-v")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{tmp_path / 'run.h5'}\n"
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("warning: checkpoint directory ") and "run_chk00001" in lines[0]
+    assert "notes.txt" in lines[0]
+    assert re.fullmatch(r"wrote \S+run\.h5: [\d,]+ rows from 4 files, [\d.,]+ MB in [\d.]+ s "
+                        r"\(job [0-9a-f]{32}\)", lines[1]), lines[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5", "run_chk00001"]

@@ -305,3 +305,74 @@ def test_flower_refuses_to_listen_beyond_loopback_without_auth(cluster: Cluster)
     bad = cluster.chkq("flower", "--address", "0.0.0.0", "--port", port,
                        env={"CHKQ_FLOWER_BASIC_AUTH": "nopassword"}, timeout=30)
     assert bad.returncode == 1 and bad.stderr.startswith("error: CHKQ_FLOWER_BASIC_AUTH")
+
+
+def test_consolidate_on_a_cluster_prints_the_output_and_nothing_else(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Exit 0, the path on stdout, and not a byte on stderr (no AsyncResult.__del__ noise).
+
+    The old client left result subscriptions that were collected at interpreter
+    shutdown: 19 lines of ``ImportError: sys.meta_path is None`` (seen from 14 MB on).
+    """
+    files = make_run(tmp_path, "run", RunShape(checkpoints=4, writers=2, trials=1500,
+                                               spec_columns=256))
+    done = cluster.chkq("consolidate", "run", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{tmp_path / 'run.h5'}\n"
+    assert done.stderr == ""
+    assert_consolidated(tmp_path / "run.h5", files)
+
+
+def test_status_takes_an_id_prefix_and_shows_what_the_job_wrote(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """``chkq status`` with the first digits of an id; a finished job's rows, size, time, and
+    the warning about a checkpoint directory kept by --cleanup."""
+    make_run(tmp_path, "run", RunShape(checkpoints=2, writers=2, trials=200))
+    (tmp_path / "run_chk00002" / "README").write_text("not a checkpoint")
+    submitted = cluster.chkq("consolidate", "run", "--out-dir", str(tmp_path), "--cleanup",
+                             "--no-wait")
+    job = submitted.stdout.strip()
+    wait_for(lambda: _job_state(cluster, job)["state"] == "SUCCESS", f"job {job} to succeed")
+    shown = cluster.chkq("status", job[:10])
+    assert shown.returncode == 0, shown.stderr
+    assert f"job {job}: SUCCESS" in shown.stdout
+    assert re.search(r"wrote [\d,]+ rows from 4 files, [\d.,]+ MB in [\d.]+ s", shown.stdout)
+    assert re.search(r"warning: checkpoint directory .*run_chk00002.* was kept: it holds "
+                     r"other files \(README\)", shown.stdout), shown.stdout
+    state = json.loads(cluster.chkq("status", job[:8], "--json").stdout)
+    assert state["job"] == job and state["rows_written"] > 0 and len(state["warnings"]) == 1
+    refused = cluster.chkq("status", "abc")
+    assert refused.returncode == 1 and refused.stderr.startswith("error: invalid job id")
+    cancel = cluster.chkq("cancel", job[:12])
+    assert cancel.returncode == 1
+    assert cancel.stderr.startswith(f"error: job {job} already finished"), cancel.stderr
+
+
+def test_status_into_a_closed_pipe_says_nothing(
+        cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]]) -> None:
+    """``chkq status --json | true`` (a reader that is gone): no ``Broken pipe`` message."""
+    job = finished_job[0]
+    for args in (f"status {job} --json", "status --json", "status"):
+        command = " ".join(CLI) + f" {args} | true"
+        done = subprocess.run(["bash", "-c", command], env=cluster.env, capture_output=True,
+                              text=True, timeout=TIMEOUT)
+        assert done.stderr == "", (args, done.stderr)
+
+
+def test_workers_log_user_errors_as_one_warning_line(cluster: Cluster, tmp_path: Path) -> None:
+    """A refused run (not HDF5) is a WARNING in the worker's log, without a traceback."""
+    make_run(tmp_path, "run", RunShape(checkpoints=1, trials=20))
+    (tmp_path / "run_chk00002.h5").write_bytes(b"not HDF5\n" * 20)
+    job, state = _run_job(cluster, tmp_path)
+    assert state["state"] == "FAILURE"
+
+    def lines_of_job() -> list[str]:
+        return [line for line in cluster.worker_log.read_text().splitlines() if job in line]
+
+    wait_for(lambda: any("chkq.fail" in line or "task=chkq.job" in line
+                         for line in lines_of_job()), "the job's failure in the log")
+    log = cluster.worker_log.read_text()
+    mine = lines_of_job()
+    assert mine and not [line for line in mine if "ERROR" in line or "unexpected" in line], mine
+    assert any("WARNING" in line and "run_chk00002.h5" in line for line in mine), mine
+    assert "Traceback" not in log[log.index(job):], "a refused run logs no traceback"

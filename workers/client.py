@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from celery.exceptions import ChordError, TaskRevokedError
+from celery.exceptions import ChordError
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -290,10 +290,9 @@ class ConsolidationJob(AsyncResult):
         exc = self.result
         if isinstance(exc, ChordError):
             exc = root_cause(exc)
-        if isinstance(exc, TaskRevokedError) or self.state == "REVOKED":
-            entry = cancelled(self.id)
-            if entry is not None:
-                raise JobCancelledError(f"job {self.id} was cancelled ({entry.get('by')})")
+        entry = cancelled(self.id)
+        if entry is not None:  # its steps then fail as revoked, or with a ChordError
+            raise JobCancelledError(f"job {self.id} was cancelled ({entry.get('by')})")
         if isinstance(exc, BaseException):
             raise exc
         raise RuntimeError(f"job {self.id} failed: {exc!r}")

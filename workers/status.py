@@ -512,20 +512,24 @@ def cancel_job(job: str) -> str:
     if status.state == "CANCELLED":
         return f"job {job} was already {status.error}"
     record_cancelled(job)
-    purged = purge_queued(job)
-    ids = job_task_ids(job, status.plan)
-    app.control.revoke(ids, terminate=True, signal="SIGTERM")
+    purged, revoked, stopped = 0, set[str](), set[str]()
     deadline = time.monotonic() + CANCEL_WAIT_SECONDS
-    running = _running_tasks(job)
-    stopped = len(running)
-    while running and time.monotonic() < deadline:
-        extra = job_task_ids(job, job_status(job).plan)
-        if extra != ids:  # the plan finished meanwhile: its copies too
-            app.control.revoke([i for i in extra if i not in ids], terminate=True)
-            ids = extra
-        time.sleep(0.5)
-        running = _running_tasks(job)
-    purged += purge_queued(job)
+    running: set[str] = set()
+    while True:
+        # The plan may finish meanwhile and launch copies: look again until all is still.
+        current = job_status(job)
+        ids = [i for i in job_task_ids(job, current.plan) if i not in revoked]
+        purged += purge_queued(job)
+        if ids:
+            app.control.revoke(ids, terminate=True, signal="SIGTERM")
+            revoked.update(ids)
+        running = set(_running_tasks(job)) | {
+            u.task_id for units in current.steps.values() for u in units
+            if u.state in ("STARTED", "PROGRESS", "RETRY")}
+        stopped |= running
+        if (not running and not ids) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
     app.backend.mark_as_revoked(job, reason="cancelled")
     removed: list[Path] = []
     where = ""
@@ -535,7 +539,7 @@ def cancel_job(job: str) -> str:
         except OSError as exc:
             where = f"; its temporaries in {status.out_dir} could not be removed here ({exc})"
     still = f", {len(running)} still stopping" if running else ""
-    return (f"cancelled job {job}: {purged} queued tasks removed, {stopped} running tasks "
+    return (f"cancelled job {job}: {purged} queued tasks removed, {len(stopped)} running tasks "
             f"stopped{still}, {len(removed)} temporary files removed{where}")
 
 
