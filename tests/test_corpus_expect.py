@@ -32,7 +32,6 @@ from tests.corpus_expect import CorpusWarning, compare, compare_full, needs_deco
 NOT_CONSOLIDATABLE = {
     "syn-bounded-axis0.h5": "axis 0 is bounded",
     "pytables-Tables_lzo2_shuffle.h5": "cannot be verified",
-    "pytables-time-table-vlarray-1_x.h5": "cannot be verified",
 }
 
 

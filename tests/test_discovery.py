@@ -85,7 +85,7 @@ def test_model_names_that_could_escape_the_directory_are_refused(bad: str) -> No
 
 
 def test_missing_directory_is_named(tmp_path: Path) -> None:
-    with pytest.raises(NotADirectoryError, match="does not exist"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         find_checkpoints(tmp_path / "nope", "run")
     touch(tmp_path / "file")
     with pytest.raises(NotADirectoryError, match="is not a directory"):
