@@ -116,8 +116,7 @@ def serial_consolidation(files: list[Path], output: Path, block_bytes: int = BLO
                     names = _extensible_names(src)
                     for name in names:
                         parent, _, leaf = name.rpartition("/")
-                        create_extensible(out.require_group(parent or "/"), leaf, src[name], 0,
-                                          early=False)
+                        create_extensible(out.require_group(parent or "/"), leaf, src[name], 0)
                 for name in names:
                     source, target = src[name], out[name]
                     n = source.shape[0]
