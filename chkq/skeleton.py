@@ -14,8 +14,8 @@ tasks as bytes at chunk offsets, so all their chunks must exist before the
 copy starts. HDF5 allocates them in one call when a dataset's allocation
 time is EARLY; otherwise allocating costs a write of every chunk. So a
 raw-mode dataset that nothing else can tell apart from a new one (a single
-link, no references in the file, attributes of fixed-size types, no
-modification times) is recreated with EARLY allocation instead (the
+link, no references in the file, attributes of fixed-size types) is
+recreated with EARLY allocation instead (the
 *allocation time* is then the only property that differs from the
 template, and the template's rows stay behind as unused space), and any
 other is resized in place and allocated by writing it. The rows of a
@@ -25,12 +25,14 @@ in the file, so they cost neither time nor disk.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5l, h5o, h5p, h5s
+from h5py import h5a, h5d, h5o, h5p, h5s
 
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
@@ -137,6 +139,41 @@ def copy_template(reference: Path, temp: Path, skip: list[tuple[int, int]] | Non
         os.close(out)
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+FALLOC_FL_KEEP_SIZE = 1
+
+
+def reserve_space(path: Path, size: int) -> None:
+    """Reserve ``size`` bytes of disk for ``path`` now, so that a full disk fails here.
+
+    Without it, a disk that fills up while HDF5 writes (allocating the
+    output) fails inside the library, which then cannot close the file; the
+    reservation turns that into a clear ENOSPC before anything is written.
+    Filesystems that cannot reserve space are skipped silently.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fallocate = getattr(_libc, "fallocate", None)
+        if fallocate is None:
+            return
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+            return
+        error = ctypes.get_errno()
+        if error == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"no space left for the output ({size} bytes) next to "
+                          f"{str(path)!r}")
+    finally:
+        os.close(fd)
+
+
+def _row_bytes(reference: Path, rows: dict[str, int]) -> dict[str, int]:
+    """Bytes of one row of each extensible dataset (of the file type)."""
+    with h5py.File(reference, "r") as template:
+        return {name: template[name].id.get_type().get_size()
+                * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
+
+
 def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
     """``(offset, size)`` of every stored chunk of a chunked dataset."""
     ranges: list[tuple[int, int]] = []
@@ -165,11 +202,18 @@ def _holds_references(out: h5py.File) -> bool:
 
 
 def _recreatable(dataset: h5py.Dataset, file_has_references: bool) -> bool:
-    """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time."""
+    """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time.
+
+    (Its modification time changes too, as it would by resizing it in place.)
+    """
     if file_has_references or h5o.get_info(dataset.id).rc != 1:
         return False
-    if dataset.id.get_create_plist().get_obj_track_times():
-        return False
+    dcpl = dataset.id.get_create_plist()
+    fills = dcpl.get_fill_time() == h5d.FILL_TIME_ALLOC or (
+        dcpl.get_fill_time() == h5d.FILL_TIME_IFSET
+        and dcpl.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
+    if fills:
+        return False  # allocating writes every chunk anyway: keep the allocation time
     for index in range(h5a.get_num_attrs(dataset.id)):
         if is_variable(h5a.open(dataset.id, index=index).get_type()):
             return False
@@ -182,7 +226,7 @@ def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
     parent_name, _, leaf = name.rpartition("/")
     parent = out[parent_name or "/"]
     lcpl = h5p.create(h5p.LINK_CREATE)
-    lcpl.set_char_encoding(h5l.get_info(parent.id, leaf.encode()).cset)
+    lcpl.set_char_encoding(parent.id.links.get_info(leaf.encode()).cset)
     dcpl = old.id.get_create_plist()
     dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
     tid = old.id.get_type()
@@ -192,7 +236,7 @@ def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
     dsid = h5d.create(parent.id, staging, tid, space, dcpl=dcpl, lcpl=lcpl)
     copy_attributes(old, h5py.Dataset(dsid))
     del parent[leaf]
-    h5l.move(parent.id, staging, parent.id, leaf.encode(), lcpl=lcpl)
+    parent.id.links.move(staging, parent.id, leaf.encode(), lcpl=lcpl)
     return dsid
 
 
@@ -237,6 +281,8 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
         recreated = {name for name in raw if _recreatable(template[name], has_references)}
         skip = [r for name in recreated for r in _stored_ranges(template[name].id)]
     inode = copy_template(reference, temp, skip)
+    reserve_space(temp, os.stat(reference).st_size + sum(
+        rows[name] * row_bytes for name, row_bytes in _row_bytes(reference, rows).items()))
     layout: dict[str, list[int]] = {}
     with h5py.File(temp, "r+") as out:
         if os.fstat(out.id.get_vfd_handle()).st_ino != inode:

@@ -241,15 +241,17 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
     reference = plan.files.index(next(f for f in plan.files if f[0] == plan.reference_file))
-    with Timer("chkq.verify", plan.job_id, model=plan.model, unit="structure") as timer:
+    unit = len(plan.verify_units)
+    with Timer("chkq.verify", plan.job_id, model=plan.model, unit=unit,
+               files="(whole-output check)") as timer:
         check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
         check_output(plan.job.temp, Path(plan.reference_file),
                      rows={d.name: d.total for d in plan.datasets},
                      raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
         check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
-        protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
-        timer.result = {"structure": "ok"}
-    return {"structure": "ok"}
+        protocol.record_verified(plan, unit, _still(plan, stamp))
+        timer.result = {"rows": 0, "bytes": stamp[0], "structure": "ok"}
+    return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
 
 @app.task(name="chkq.link", bind=True, base=ChkqTask)
@@ -331,11 +333,7 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     for ever; the temporaries are then left alone, since the arguments
     cannot be trusted to name them.
     """
-    try:
-        job = check_job_id(job)
-    except ValueError:
-        log.warning("chkq.fail for an invalid job id %r ignored", job)
-        return
+    job = check_job_id(job)
     cause = explained(root_cause(exc), job)
     if finished_result(job) is not None or protocol.failure(job) is not None:
         log.warning("job=%s failure after the job ended ignored: %r", job, cause)

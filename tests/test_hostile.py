@@ -30,6 +30,7 @@ from chkq.demo import RunShape, make_run
 from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
 from chkq.planner import prepare
+from chkq.tasks import protocol
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
 from tests.helpers import assert_consolidated, snapshot
@@ -210,7 +211,7 @@ def test_hostile_messages_on_every_queue_leave_worker_and_files_alone(
     make_run(outside, "victim", RunShape(checkpoints=1, trials=10))
     # A real plan on disk, so that unit-number checks are reached.
     planned = uuid.uuid4().hex
-    prepare(run, "run", planned)
+    protocol.store_plan(prepare(run, "run", planned))
     before_run, before_outside = snapshot(run), snapshot(outside)
 
     for queue in QUEUES:
