@@ -429,7 +429,7 @@ def test_cli_on_a_silent_gcs_endpoint_fails_well_under_a_minute_by_default(
     assert done.returncode == 1
     assert elapsed < 45, elapsed
     assert done.stderr.count("\n") == 1
-    assert done.stderr.startswith(f"error: store gs://{BUCKET}/silent: list 'runs/r1/'")
+    assert done.stderr.startswith(f"error: store gs://{BUCKET}/silent: list 'runs/r1/")
 
 
 def test_cli_store_timeouts_are_configurable(black_hole: BlackHole) -> None:
@@ -438,5 +438,5 @@ def test_cli_store_timeouts_are_configurable(black_hole: BlackHole) -> None:
                               "CHKQ_STORE_READ_TIMEOUT": "1", "CHKQ_STORE_RETRY_SECONDS": "1"})
     assert done.returncode == 1
     assert elapsed < 10, elapsed
-    assert done.stderr.startswith(f"error: store s3://{BUCKET}/silent: list 'runs/r1/'")
+    assert done.stderr.startswith(f"error: store s3://{BUCKET}/silent: list 'runs/r1/")
     assert "retry budget 1 s" in done.stderr
