@@ -491,8 +491,9 @@ def job_breakdown(log_path: Path, sample: Sample) -> dict[str, float]:
     ``verify``, ``to_link``, ``link``, ``client_tail`` (link end to client
     exit: polling, exit). Busy seconds summed over the pool: ``copy_busy``,
     ``verify_rows_busy``, ``structure`` (the whole-output check's own
-    seconds), ``overhead_busy`` (task time outside the logged work: plan
-    loading, Celery). ``verified``: the verify units and the link all ended.
+    seconds: the last verify unit, logged ``files=(whole-output check)``),
+    ``overhead_busy`` (task time outside the logged work: plan loading, Celery).
+    ``verified``: the verify units and the link all ended.
     """
     with open(log_path, "rb") as fh:
         fh.seek(sample.log_offset)
@@ -524,7 +525,10 @@ def job_breakdown(log_path: Path, sample: Sample) -> dict[str, float]:
             continue
         step = task.removeprefix("chkq.")
         if step == "verify":
-            step = "structure" if fields.get("unit") == "structure" else "verify_rows"
+            # The whole-output check: ``unit=structure`` (older workers) or, as the
+            # others, ``unit=N files=(whole-output check)``.
+            whole = fields.get("unit") == "structure" or "(whole-output" in rest
+            step = "structure" if whole else "verify_rows"
         if kind == "start":
             starts[step].append(when)
         else:
@@ -918,7 +922,7 @@ def report(samples: dict[tuple[str, str], list[Sample]],
               "to_merge/to_link = chord callback hand-offs; client_tail = link end to client "
               "exit (polling, summary, exit). Busy sums over both processes: copy_busy, "
               "verify_rows_busy (logged task seconds), structure = the whole-output check "
-              "(verify unit=structure), overhead_busy = task time outside the logged work "
+              "(the last verify unit), overhead_busy = task time outside the logged work "
               "(plan loading from Redis, Celery)")
     calls = {key: median([float(s.redis_calls) for s in v]) for key, v in samples.items()
              if key[1] in ("cli", "inproc")}
