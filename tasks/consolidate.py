@@ -23,6 +23,7 @@ data, and stores the root cause under the job id.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -45,8 +46,7 @@ from chkq.planner import prepare
 from chkq.stamps import check_unchanged
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
-from chkq.tasks.jobs import finished_result, record_finished
-from chkq.tasks.protocol import task_id
+from chkq.tasks.protocol import finished_result, record_finished, task_id
 from chkq.verify_rows import digests_by_dataset, verify_files
 
 log = logging.getLogger("chkq.tasks")
@@ -72,10 +72,20 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
 
 
 def _job_plan(task: ChkqTask, out_dir: str, model: str, job: str) -> Plan:
-    """Check a message's arguments, count its delivery, and read its job's recorded plan."""
+    """Check a message's arguments, count its delivery, and read its job's recorded plan.
+
+    A task of a cancelled job stops here, before touching anything.
+    """
     directory, model, job = _checked(out_dir, model, job)
+    _stop_if_cancelled(job)
     task.check_deliveries()
     return protocol.load_plan(job, str(directory), model)
+
+
+def _stop_if_cancelled(job: str) -> None:
+    if protocol.cancelled(job) is not None:
+        log.warning("job=%s was cancelled: task %s not run", job, job)
+        raise Ignore()
 
 
 def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
@@ -146,6 +156,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     directory, model, job = _checked(out_dir, model, job)
     if not isinstance(cleanup, bool):
         raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
+    _stop_if_cancelled(job)
     self.check_deliveries()
     with Timer("chkq.plan", job, model=model, out_dir=directory) as timer:
         plan = protocol.recorded_plan(job)
@@ -291,6 +302,15 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
 
 def root_cause(exc: BaseException) -> BaseException:
     """The exception a header task raised, when ``exc`` is the ChordError wrapping it."""
+    return failing_task(exc, None)[1]
+
+
+def failing_task(exc: BaseException, task: str | None) -> tuple[str | None, BaseException]:
+    """The task that really failed, and its exception, when ``exc`` is a ChordError.
+
+    Celery reports a failed chord header only as a ChordError naming the
+    header task's id; its result holds the real exception.
+    """
     seen = 0
     while isinstance(exc, ChordError) and seen < 4:
         words = str(exc).split()
@@ -299,8 +319,8 @@ def root_cause(exc: BaseException) -> BaseException:
         inner = AsyncResult(words[1], app=app).result
         if not isinstance(inner, BaseException):
             break
-        exc, seen = inner, seen + 1
-    return exc
+        task, exc, seen = words[1], inner, seen + 1
+    return task, exc
 
 
 def explained(cause: BaseException, job: str) -> BaseException:
@@ -334,11 +354,16 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     cannot be trusted to name them.
     """
     job = check_job_id(job)
-    cause = explained(root_cause(exc), job)
+    task, cause = failing_task(exc, getattr(request, "id", None))
+    cause = explained(cause, job)
     if finished_result(job) is not None or protocol.failure(job) is not None:
         log.warning("job=%s failure after the job ended ignored: %r", job, cause)
         return
-    step = getattr(request, "task", None) or "chkq.job"
+    if protocol.cancelled(job) is not None:
+        with contextlib.suppress(ValueError, OSError):
+            discard_job_files(JobFiles(*_checked(out_dir, model, job)))
+        protocol.forget_progress(job)
+        return
     removed: list[Path] = []
     try:
         directory, model, job = _checked(out_dir, model, job)
@@ -346,10 +371,10 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
         log.warning("job=%s failed; its temporaries were left: %s", job, bad)
     else:
         removed = discard_job_files(JobFiles(directory, model, job))
-    protocol.record_failed(job, step, cause)
+    protocol.record_failed(job, task, cause)
     protocol.forget_progress(job)
-    log.warning("fail task=chkq.job job=%s model=%s step=%s error=%r removed=%d", job, model,
-                step, cause, len(removed))
+    log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job, model,
+                task, cause, len(removed))
     app.backend.mark_as_failure(job, cause)
 
 

@@ -25,13 +25,47 @@ publish an unverified file or delete a checkpoint.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import re
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from chkq.config.celery_app import app, settings
+from chkq.naming import check_job_id
 from chkq.plan import Plan
 from chkq.stamps import FileStamp
+
+#: The steps of a job, in order (``link`` has the job's own id).
+STEPS = ("plan", "copy", "merge", "verify", "link")
+
+
+class JobState(StrEnum):
+    """Where a job is in its life."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+    CANCELLED = "CANCELLED"
+
+
+class Phase(StrEnum):
+    """What a job is doing (or why it stopped)."""
+
+    QUEUED = "queued"
+    PLANNING = "planning"
+    COPYING = "copying"
+    MERGING = "merging"
+    VERIFYING = "verifying"
+    LINKING = "linking"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 def task_id(job: str, step: str, unit: int | None = None) -> str:
@@ -154,15 +188,19 @@ def proof_gaps(plan: Plan) -> list[str]:
     return gaps
 
 
-def record_failed(job: str, step: str, exc: BaseException) -> None:
-    """Record a job's failure as data: the failing step, exception type and message."""
+def record_failed(job: str, task: str | None, exc: BaseException) -> None:
+    """Record a job's failure as data: the failing task and step, exception type and message.
+
+    The first failure recorded stays (later ones are consequences of it).
+    """
+    step = STEPS[-1] if task == job else (task or "").removeprefix(f"{job}-").split("-")[0]
     _client().set(_key(job, "failed"), json.dumps(
-        {"step": step, "type": type(exc).__name__, "message": str(exc)}),
-        ex=settings.result_expires)
+        {"task": task, "step": step or "job", "type": type(exc).__name__, "message": str(exc)}),
+        nx=True, ex=settings.result_expires)
 
 
 def failure(job: str) -> dict[str, str] | None:
-    """The recorded failure of ``job`` (step, type, message), or None."""
+    """The recorded failure of ``job`` (task, step, type, message), or None."""
     raw = _client().get(_key(job, "failed"))
     return json.loads(raw) if raw else None
 
@@ -182,3 +220,313 @@ def _hset(job: str, what: str, unit: int, value: Any) -> None:
 def _hgetall(job: str, what: str) -> dict[int, Any]:
     raw = _client().hgetall(_key(job, what))
     return {int(k): json.loads(v) for k, v in raw.items()}
+
+
+# ------------------------------------------------------------ submitted, finished, cancelled
+
+RECENT_JOBS = "chkq-jobs"
+RECENT_LIMIT = 200
+
+
+def record_submitted(job: str, model: str, out_dir: str) -> None:
+    """Remember a submitted job so that ``chkq status`` can list it."""
+    client = _client()
+    entry = json.dumps({"job": job, "model": model, "out_dir": out_dir, "submitted": time.time()})
+    client.set(f"chkq-job-{job}", entry, ex=settings.result_expires)
+    client.lpush(RECENT_JOBS, job)
+    client.ltrim(RECENT_JOBS, 0, RECENT_LIMIT - 1)
+
+
+def job_info(job: str) -> dict[str, Any] | None:
+    """What was recorded when ``job`` was submitted, or None."""
+    raw = _client().get(f"chkq-job-{job}")
+    return json.loads(raw) if raw else None
+
+
+def recent_jobs(limit: int = 20) -> list[str]:
+    """Ids of the most recently submitted jobs, newest first."""
+    return [j.decode() if isinstance(j, bytes) else j
+            for j in _client().lrange(RECENT_JOBS, 0, limit - 1)]
+
+
+def record_finished(job: str, result: dict[str, Any]) -> None:
+    """Remember that ``job`` linked its output (kept as long as results are)."""
+    _client().set(f"chkq-job-done-{job}", json.dumps(result), ex=settings.result_expires)
+
+
+def finished_result(job: str) -> dict[str, Any] | None:
+    """The result of ``job`` if it already finished, else None."""
+    raw = _client().get(f"chkq-job-done-{job}")
+    return json.loads(raw) if raw else None
+
+
+def record_cancelled(job: str, by: str = "chkq cancel") -> dict[str, Any]:
+    """Remember that ``job`` was cancelled (kept as long as results are); return the entry.
+
+    Tasks of the job that a worker picks up later can check :func:`cancelled`
+    and stop before touching anything.
+    """
+    entry = {"job": job, "cancelled": time.time(), "by": by}
+    _client().set(f"chkq-job-cancelled-{job}", json.dumps(entry), ex=settings.result_expires)
+    return entry
+
+
+def cancelled(job: str) -> dict[str, Any] | None:
+    """What :func:`record_cancelled` recorded for ``job``, or None if it was not cancelled."""
+    raw = _client().get(f"chkq-job-cancelled-{job}")
+    return json.loads(raw) if raw else None
+
+
+def find_jobs(prefix: str, limit: int = 10) -> list[str]:
+    """Ids of recorded jobs that start with ``prefix`` (at most ``limit``, sorted).
+
+    Lets people type a job id's first digits, as with git commits.
+    """
+    found: set[str] = set()
+    for key in _client().scan_iter(match=f"chkq-job-{prefix}*", count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        job = name.removeprefix("chkq-job-")
+        if len(job) == 32 and all(c in "0123456789abcdef" for c in job):
+            found.add(job)
+            if len(found) > limit:
+                break
+    return sorted(found)[:limit]
+
+
+# ------------------------------------------------------------ reading a job's state
+
+@dataclass
+class UnitState:
+    """The stored state of one task of a job.
+
+    Attributes
+    ----------
+    task_id
+        Its id (``JOB-copy-3``...).
+    state
+        Celery state: PENDING (not started, or unknown), STARTED, PROGRESS,
+        SUCCESS, FAILURE...
+    done, total
+        Rows done and to do, from a PROGRESS state or a result.
+    error, error_type
+        ``Type: message`` of the exception of a failed task, and its type.
+    """
+
+    task_id: str
+    state: str
+    done: int | None = None
+    total: int | None = None
+    error: str | None = None
+    error_type: str | None = None
+
+
+@dataclass
+class JobStatus:
+    """Everything ``chkq status JOB`` shows about one job."""
+
+    job: str
+    state: JobState
+    phase: Phase
+    model: str | None = None
+    out_dir: str | None = None
+    submitted: float | None = None
+    output: str | None = None
+    error: str | None = None
+    failed_task: str | None = None
+    plan: dict[str, Any] | None = None
+    steps: dict[str, list[UnitState]] = field(default_factory=dict)
+    finished: float | None = None
+    seconds: float | None = None
+    rows_written: int | None = None
+    files_read: int | None = None
+    bytes_written: int | None = None
+    warnings: list[str] = field(default_factory=list)
+    cancelled: float | None = None
+
+    @property
+    def rows(self) -> tuple[int, int, int]:
+        """Rows copied and verified so far, and the job's total."""
+        total = int((self.plan or {}).get("rows") or 0)
+        copied = sum(u.done or 0 for u in self.steps.get("copy", []))
+        verified = sum(u.done or 0 for u in self.steps.get("verify", []))
+        return copied, verified, total
+
+
+def describe_error(exc: Any) -> str:
+    """``Type: message`` of a stored exception (first line of the message)."""
+    if isinstance(exc, BaseException):
+        message = (str(exc) or "").splitlines()
+        return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
+    if isinstance(exc, dict) and "exc_type" in exc:
+        return f"{exc['exc_type']}: {exc.get('exc_message')}"
+    return repr(exc)
+
+
+def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
+    """Stored result metadata of ``task_ids`` (None: nothing stored), in one MGET per 1,000."""
+    backend = app.backend
+    metas: dict[str, dict[str, Any] | None] = {}
+    for start in range(0, len(task_ids), 1000):
+        batch = task_ids[start:start + 1000]
+        raws = backend.client.mget([backend.get_key_for_task(t) for t in batch])
+        for task_id, raw in zip(batch, raws, strict=True):
+            metas[task_id] = backend.decode_result(raw) if raw else None
+    return metas
+
+
+def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
+    if meta is None:
+        return UnitState(task_id, "PENDING")
+    state, result = meta.get("status", "PENDING"), meta.get("result")
+    unit = UnitState(task_id, state)
+    if state == "FAILURE":
+        unit.error = describe_error(result)
+        unit.error_type = unit.error.split(":", 1)[0]
+    elif isinstance(result, dict):
+        done = result.get("done", result.get("rows"))
+        unit.done = int(done) if isinstance(done, int) else None
+        total = result.get("total", result.get("rows"))
+        unit.total = int(total) if isinstance(total, int) else None
+    return unit
+
+
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def resolve_job(text: str) -> str:
+    """The full id of the job ``text`` names: the id itself, or its first 8 or more digits.
+
+    Raises
+    ------
+    ValueError
+        If ``text`` is not 8 to 32 lowercase hex digits, or names several jobs.
+    LookupError
+        If no recorded job starts with it.
+    """
+    check_job_id(text)
+    if len(text) == 32:
+        return text
+    found = find_jobs(text)
+    if not found:
+        raise LookupError(f"no job {text}... in the result backend (never submitted, or "
+                          "expired)")
+    if len(found) > 1:
+        raise ValueError(f"job id prefix {text} is ambiguous: it starts "
+                         + ", ".join(found[:5]) + ("..." if len(found) > 5 else ""))
+    return found[0]
+
+
+def _timestamp(value: Any) -> float | None:
+    """Seconds since the epoch of a stored ``date_done`` (ISO text or datetime), or None."""
+    if isinstance(value, datetime.datetime):
+        moment = value
+    elif isinstance(value, str):
+        try:
+            moment = datetime.datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+def _add_summary(status: JobStatus, done: dict[str, Any], link_meta: dict[str, Any] | None
+                 ) -> None:
+    """Fill in what a finished job wrote, how long it took, and its warnings."""
+    status.rows_written = int(done.get("rows") or 0)
+    status.files_read = int(done.get("files") or 0)
+    status.warnings = [str(w) for w in done.get("warnings") or []]
+    try:
+        status.bytes_written = Path(str(done.get("output"))).stat().st_size
+    except OSError:
+        status.bytes_written = None
+    status.finished = _timestamp((link_meta or {}).get("date_done"))
+    if status.finished is not None and status.submitted is not None:
+        status.seconds = max(0.0, status.finished - status.submitted)
+
+
+def job_status(job: str) -> JobStatus:
+    """Read the state of consolidation job ``job`` from the result backend.
+
+    Raises
+    ------
+    LookupError
+        If the backend knows nothing of ``job`` (never submitted, or expired).
+    """
+    check_job_id(job)
+    info = job_info(job) or {}
+    plan_id = task_id(job, "plan")
+    first = fetch_metas([plan_id, task_id(job, "merge"), job])
+    plan_meta, merge_meta, link_meta = first[plan_id], first[task_id(job, "merge")], first[job]
+    plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
+    plan = plan if isinstance(plan, dict) else None
+    if not info and plan_meta is None and link_meta is None:
+        raise LookupError(f"no job {job} in the result backend (never submitted, or expired)")
+
+    steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
+    for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):
+        count = int(plan.get(count_key) or 0) if plan else 0
+        ids = [task_id(job, step, n) for n in range(count)]
+        metas = fetch_metas(ids) if ids else {}
+        steps[step] = [_unit(t, metas[t]) for t in ids]
+    steps["merge"] = [_unit(task_id(job, "merge"), merge_meta)]
+
+    status = JobStatus(job=job, state=JobState.PENDING, phase=Phase.QUEUED, model=info.get("model"),
+                       out_dir=info.get("out_dir"), submitted=info.get("submitted"),
+                       plan=plan, steps=steps)
+    done = finished_result(job)
+    link = _unit(job, link_meta)
+    causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
+              if u.state == "FAILURE"]
+    real = [(s, u) for s, u in causes if u.error_type != "ChordError"]
+    cancel = cancelled(job) if done is None else None
+    recorded = failure(job) if done is None else None
+    if done is not None:
+        link = UnitState(job, "SUCCESS")
+        status.state, status.phase = JobState.SUCCESS, Phase.DONE
+        status.output = str(done.get("output"))
+        _add_summary(status, done, link_meta)
+    elif cancel is not None:
+        status.state, status.phase = JobState.CANCELLED, Phase.CANCELLED
+        status.cancelled = float(cancel.get("cancelled") or 0) or None
+        status.error = f"cancelled {_when(status.cancelled)}"
+    elif recorded is not None or link.state == "FAILURE" or causes:
+        status.state, status.phase = JobState.FAILURE, Phase.FAILED
+        if recorded is not None:
+            status.failed_task = recorded.get("task") or recorded["step"]
+            message = (recorded.get("message") or "").splitlines()
+            status.error = f"{recorded['type']}: {message[0]}" if message else recorded["type"]
+        elif real:
+            status.failed_task, status.error = real[0][1].task_id, real[0][1].error
+        else:
+            status.failed_task, status.error = job, link.error
+        if link.state == "FAILURE" and status.failed_task != job:
+            link = UnitState(job, "NOT RUN")
+    else:
+        status.state = JobState.RUNNING if plan_meta is not None else JobState.PENDING
+        status.phase = _phase(steps, link)
+    steps["link"] = [link]
+    return status
+
+
+def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> Phase:
+    """The step a running job is at."""
+    if link.state in ("STARTED", "PROGRESS"):
+        return Phase.LINKING
+    for step in ("verify", "merge", "copy"):
+        if any(u.state not in ("PENDING",) for u in steps[step]):
+            if step == "copy" and all(u.state == "SUCCESS" for u in steps[step]):
+                return Phase.MERGING
+            return {"verify": Phase.VERIFYING, "merge": Phase.MERGING,
+                    "copy": Phase.COPYING}[step]
+    plan = steps["plan"][0]
+    return Phase.PLANNING if plan.state in ("STARTED", "PROGRESS") else (
+        Phase.COPYING if plan.state == "SUCCESS" else Phase.QUEUED)
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "?"
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")

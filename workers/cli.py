@@ -160,7 +160,7 @@ def _job_fate(job: ConsolidationJob) -> str:
     """What a cluster job does after its client stops waiting, for the user."""
     phase = "queued or running"
     try:
-        from chkq.workers.status import job_status
+        from chkq.tasks.protocol import job_status
 
         status = job_status(job.id)
         phase = {"PENDING": "queued", "RUNNING": f"running ({status.phase})"}.get(

@@ -36,9 +36,14 @@ from chkq.config.celery_app import app, settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
-from chkq.tasks.base import PROGRESS
-from chkq.tasks.consolidate import consolidation_signature, root_cause, task_id
-from chkq.tasks.jobs import cancelled, finished_result, job_info, record_submitted
+from chkq.tasks.consolidate import consolidation_signature, root_cause
+from chkq.tasks.protocol import (
+    cancelled,
+    finished_result,
+    job_info,
+    job_status,
+    record_submitted,
+)
 
 POLL_SECONDS = 0.05
 PROGRESS_SECONDS = 0.25
@@ -137,39 +142,23 @@ class ConsolidationJob(AsyncResult):
     submitted_at: float | None = None
     _progress_shown = 0.0
 
-    def _plan_summary(self) -> dict[str, Any] | None:
-        plan = AsyncResult(task_id(self.id, "plan"), app=self.app)
-        return plan.result if plan.state == "SUCCESS" else None
-
-    def _rows(self, step: str, count: int) -> int:
-        done = 0
-        for unit in range(count):
-            result = AsyncResult(task_id(self.id, step, unit), app=self.app)
-            state, info = result.state, result.info
-            if state in (PROGRESS, "SUCCESS") and isinstance(info, dict):
-                done += int(info.get("done") or info.get("rows") or 0)
-        return done
-
     @property
     def progress(self) -> Progress:
-        """Rows copied and verified so far (read from the result backend)."""
-        if self.ready():
-            if self.successful() or finished_result(self.id) is not None:
-                done = self._finished()
-                rows = int(done.get("rows") or 0)
-                return Progress("done", rows, rows, rows)
-            summary = self._plan_summary()
-            total = int(summary["rows"]) if summary else 0
-            return Progress("failed", self._rows("copy", int(summary["copy_units"])) if summary
-                            else 0, 0, total)
-        summary = self._plan_summary()
-        if summary is None:
-            return Progress("planning")
-        total = int(summary["rows"])
-        copied = self._rows("copy", int(summary["copy_units"]))
-        verified = self._rows("verify", int(summary["verify_units"]))
-        phase = "verifying" if verified or copied >= total else "copying"
-        return Progress(phase, copied, verified, total)
+        """Rows copied and verified so far: one batched read of the job's state.
+
+        The same reader (:func:`chkq.tasks.protocol.job_status`) serves
+        ``chkq status``, so the two never disagree on where a job stands.
+        """
+        if self.ready() and (self.successful() or finished_result(self.id) is not None):
+            done = self._finished()
+            rows = int(done.get("rows") or 0)
+            return Progress("done", rows, rows, rows)
+        try:
+            status = job_status(self.id)
+        except LookupError:
+            return Progress("queued")
+        copied, verified, total = status.rows
+        return Progress(status.phase, copied, verified, total)
 
     def wait_for_output(
         self,
@@ -319,8 +308,6 @@ class QueueWatch:
 
     def waiting_in(self) -> tuple[str, str] | None:
         """The queue the job waits in now, and its phase (None: it is not waiting)."""
-        from chkq.workers.status import job_status
-
         status = job_status(self.job.id)
         if status.state not in ("PENDING", "RUNNING"):
             return None

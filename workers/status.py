@@ -22,263 +22,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-#: Units listed one per line at most, per step, in the detailed view.
-MAX_LISTED = 10
+if TYPE_CHECKING:  # the module is imported for --help, which must not load Celery
+    from chkq.tasks.protocol import JobStatus, UnitState
 
 STEPS = ("plan", "copy", "merge", "verify", "link")
 
-
-@dataclass
-class UnitState:
-    """The stored state of one task of a job.
-
-    Attributes
-    ----------
-    task_id
-        Its id (``JOB-copy-3``...).
-    state
-        Celery state: PENDING (not started, or unknown), STARTED, PROGRESS,
-        SUCCESS, FAILURE...
-    done, total
-        Rows done and to do, from a PROGRESS state or a result.
-    error
-        ``Type: message`` of the exception of a failed task.
-    """
-
-    task_id: str
-    state: str
-    done: int | None = None
-    total: int | None = None
-    error: str | None = None
-
-
-@dataclass
-class JobStatus:
-    """Everything ``chkq status JOB`` shows about one job."""
-
-    job: str
-    state: str
-    phase: str
-    model: str | None = None
-    out_dir: str | None = None
-    submitted: float | None = None
-    output: str | None = None
-    error: str | None = None
-    failed_task: str | None = None
-    plan: dict[str, Any] | None = None
-    steps: dict[str, list[UnitState]] = field(default_factory=dict)
-    finished: float | None = None
-    seconds: float | None = None
-    rows_written: int | None = None
-    files_read: int | None = None
-    bytes_written: int | None = None
-    warnings: list[str] = field(default_factory=list)
-    cancelled: float | None = None
-
-    @property
-    def rows(self) -> tuple[int, int, int]:
-        """Rows copied and verified so far, and the job's total."""
-        total = int((self.plan or {}).get("rows") or 0)
-        copied = sum(u.done or 0 for u in self.steps.get("copy", []))
-        verified = sum(u.done or 0 for u in self.steps.get("verify", []))
-        return copied, verified, total
-
-
-def describe_error(exc: Any) -> str:
-    """``Type: message`` of a stored exception (first line of the message)."""
-    if isinstance(exc, BaseException):
-        message = (str(exc) or "").splitlines()
-        return f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
-    if isinstance(exc, dict) and "exc_type" in exc:
-        return f"{exc['exc_type']}: {exc.get('exc_message')}"
-    return repr(exc)
-
-
-def _is_consequence(exc: Any) -> bool:
-    """True for the ChordError a chord callback gets when a header task failed."""
-    from celery.exceptions import ChordError
-
-    return isinstance(exc, ChordError)
-
-
-def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
-    """Stored result metadata of ``task_ids`` (None: nothing stored), in one MGET per 1,000."""
-    from chkq.config.celery_app import app
-
-    backend = app.backend
-    metas: dict[str, dict[str, Any] | None] = {}
-    for start in range(0, len(task_ids), 1000):
-        batch = task_ids[start:start + 1000]
-        raws = backend.client.mget([backend.get_key_for_task(t) for t in batch])
-        for task_id, raw in zip(batch, raws, strict=True):
-            metas[task_id] = backend.decode_result(raw) if raw else None
-    return metas
-
-
-def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
-    if meta is None:
-        return UnitState(task_id, "PENDING")
-    state, result = meta.get("status", "PENDING"), meta.get("result")
-    unit = UnitState(task_id, state)
-    if state == "FAILURE":
-        unit.error = describe_error(result)
-    elif isinstance(result, dict):
-        done = result.get("done", result.get("rows"))
-        unit.done = int(done) if isinstance(done, int) else None
-        total = result.get("total", result.get("rows"))
-        unit.total = int(total) if isinstance(total, int) else None
-    return unit
-
-
-_HEX = re.compile(r"[0-9a-f]+")
-
-
-def resolve_job(text: str) -> str:
-    """The full id of the job ``text`` names: the id itself, or its first 8 or more digits.
-
-    Raises
-    ------
-    ValueError
-        If ``text`` is not 8 to 32 lowercase hex digits, or names several jobs.
-    LookupError
-        If no recorded job starts with it.
-    """
-    from chkq.naming import check_job_id
-
-    check_job_id(text)
-    if len(text) == 32:
-        return text
-    from chkq.tasks.jobs import find_jobs
-
-    found = find_jobs(text)
-    if not found:
-        raise LookupError(f"no job {text}... in the result backend (never submitted, or "
-                          "expired)")
-    if len(found) > 1:
-        raise ValueError(f"job id prefix {text} is ambiguous: it starts "
-                         + ", ".join(found[:5]) + ("..." if len(found) > 5 else ""))
-    return found[0]
-
-
-def _timestamp(value: Any) -> float | None:
-    """Seconds since the epoch of a stored ``date_done`` (ISO text or datetime), or None."""
-    if isinstance(value, datetime.datetime):
-        moment = value
-    elif isinstance(value, str):
-        try:
-            moment = datetime.datetime.fromisoformat(value)
-        except ValueError:
-            return None
-    else:
-        return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.UTC)
-    return moment.timestamp()
-
-
-def _add_summary(status: JobStatus, done: dict[str, Any], link_meta: dict[str, Any] | None
-                 ) -> None:
-    """Fill in what a finished job wrote, how long it took, and its warnings."""
-    status.rows_written = int(done.get("rows") or 0)
-    status.files_read = int(done.get("files") or 0)
-    status.warnings = [str(w) for w in done.get("warnings") or []]
-    try:
-        status.bytes_written = Path(str(done.get("output"))).stat().st_size
-    except OSError:
-        status.bytes_written = None
-    status.finished = _timestamp((link_meta or {}).get("date_done"))
-    if status.finished is not None and status.submitted is not None:
-        status.seconds = max(0.0, status.finished - status.submitted)
-
-
-def job_status(job: str) -> JobStatus:
-    """Read the state of consolidation job ``job`` from the result backend.
-
-    Raises
-    ------
-    LookupError
-        If the backend knows nothing of ``job`` (never submitted, or expired).
-    """
-    from chkq.naming import check_job_id
-    from chkq.tasks.consolidate import task_id
-    from chkq.tasks.jobs import cancelled, finished_result, job_info
-
-    check_job_id(job)
-    info = job_info(job) or {}
-    plan_id = task_id(job, "plan")
-    first = fetch_metas([plan_id, task_id(job, "merge"), job])
-    plan_meta, merge_meta, link_meta = first[plan_id], first[task_id(job, "merge")], first[job]
-    plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
-    plan = plan if isinstance(plan, dict) else None
-    if not info and plan_meta is None and link_meta is None:
-        raise LookupError(f"no job {job} in the result backend (never submitted, or expired)")
-
-    steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
-    for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):
-        count = int(plan.get(count_key) or 0) if plan else 0
-        ids = [task_id(job, step, n) for n in range(count)]
-        metas = fetch_metas(ids) if ids else {}
-        steps[step] = [_unit(t, metas[t]) for t in ids]
-    steps["merge"] = [_unit(task_id(job, "merge"), merge_meta)]
-
-    status = JobStatus(job=job, state="PENDING", phase="queued", model=info.get("model"),
-                       out_dir=info.get("out_dir"), submitted=info.get("submitted"),
-                       plan=plan, steps=steps)
-    done = finished_result(job)
-    link = _unit(job, link_meta)
-    causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
-              if u.state == "FAILURE"]
-    real = [(s, u) for s, u in causes
-            if not (s in ("merge",) and u.error and u.error.startswith("ChordError"))]
-    cancel = cancelled(job) if done is None else None
-    if done is not None:
-        link = UnitState(job, "SUCCESS")
-        status.state, status.phase, status.output = "SUCCESS", "done", str(done.get("output"))
-        _add_summary(status, done, link_meta)
-    elif cancel is not None:
-        status.state, status.phase = "CANCELLED", "cancelled"
-        status.cancelled = float(cancel.get("cancelled") or 0) or None
-        status.error = f"cancelled {_when(status.cancelled)}"
-    elif link.state == "FAILURE" or causes:
-        status.state, status.phase = "FAILURE", "failed"
-        if real:
-            step, unit = real[0]
-            status.failed_task = unit.task_id
-            status.error = unit.error
-            if link.state == "FAILURE":
-                link = UnitState(job, "NOT RUN")
-        else:
-            status.failed_task, status.error = job, link.error
-        if link_meta is not None and link_meta.get("status") == "FAILURE":
-            cause = link_meta.get("result")
-            if not _is_consequence(cause):
-                status.error = describe_error(cause)
-    else:
-        status.state = "RUNNING" if plan_meta is not None else "PENDING"
-        status.phase = _phase(steps, link)
-    steps["link"] = [link]
-    return status
-
-
-def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> str:
-    """The step a running job is at."""
-    if link.state in ("STARTED", "PROGRESS"):
-        return "linking"
-    for step in ("verify", "merge", "copy"):
-        if any(u.state not in ("PENDING",) for u in steps[step]):
-            if step == "copy" and all(u.state == "SUCCESS" for u in steps[step]):
-                return "merging"
-            return {"verify": "verifying", "merge": "merging", "copy": "copying"}[step]
-    plan = steps["plan"][0]
-    return "planning" if plan.state in ("STARTED", "PROGRESS") else (
-        "copying" if plan.state == "SUCCESS" else "queued")
+#: Units listed one per line at most, per step, in the detailed view.
+MAX_LISTED = 10
 
 
 def _when(timestamp: float | None) -> str:
@@ -344,7 +100,10 @@ def format_job(status: JobStatus) -> str:
             if len(shown) > MAX_LISTED:
                 lines.append(f"    ... and {len(shown) - MAX_LISTED} more")
             continue
-        unit = units[0] if units else UnitState(status.job, "PENDING")
+        if not units:
+            lines.append(f"  {step:<8} PENDING")
+            continue
+        unit = units[0]
         detail = f" {unit.error}" if unit.state == "FAILURE" else ""
         if unit.error and unit.error.startswith("ChordError"):
             detail = " (not run: a task it waits for failed)"
@@ -384,7 +143,7 @@ def format_recent(statuses: list[JobStatus]) -> str:
 
 def recent_statuses(limit: int) -> list[JobStatus]:
     """Statuses of the ``limit`` most recently submitted jobs (expired ones left out)."""
-    from chkq.tasks.jobs import recent_jobs
+    from chkq.tasks.protocol import job_status, recent_jobs
 
     found = []
     for job in recent_jobs(limit):
@@ -398,6 +157,7 @@ def recent_statuses(limit: int) -> list[JobStatus]:
 def cmd_status(args: argparse.Namespace) -> int:
     """``chkq status [JOB]``."""
     from chkq.config.celery_app import settings
+    from chkq.tasks.protocol import job_status, resolve_job
 
     if not settings.broker_url:
         raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
@@ -502,7 +262,7 @@ def cancel_job(job: str) -> str:
     from chkq.config.celery_app import app
     from chkq.finalize import discard_job_files
     from chkq.naming import JobFiles
-    from chkq.tasks.jobs import record_cancelled
+    from chkq.tasks.protocol import job_status, record_cancelled
 
     status = job_status(job)
     if status.state == "SUCCESS":
@@ -546,6 +306,7 @@ def cancel_job(job: str) -> str:
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``chkq cancel JOB``."""
     from chkq.config.celery_app import settings
+    from chkq.tasks.protocol import resolve_job
 
     if not settings.broker_url:
         raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
