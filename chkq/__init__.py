@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import CheckpointCorruptionError, ChkqError
 
 __version__ = "0.1.0"
 
@@ -30,7 +30,7 @@ _LAZY = {
     "open_store": "chkq.stores",
 }
 
-__all__ = ["CheckpointCorruptionError", "__version__", *_LAZY]
+__all__ = ["CheckpointCorruptionError", "ChkqError", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

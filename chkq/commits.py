@@ -27,7 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import (  # noqa: F401 (re-exported)
+    CheckpointCorruptionError,
+    FileChangedError,
+    NothingToRestoreError,
+    ParentNotCommittedError,
+)
 from chkq.log import (
     CheckpointLog,
     CheckpointRecord,
@@ -53,18 +58,6 @@ __all__ = [
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class FileChangedError(OSError):
-    """A checkpoint file changed while it was read (it was still being written)."""
-
-
-class ParentNotCommittedError(LookupError):
-    """The parent named for a commit is not (yet) in the log."""
-
-
-class NothingToRestoreError(LookupError):
-    """The run has no files to restore (or none of the model asked for)."""
 
 
 def read_stable(path: str | Path) -> bytes:

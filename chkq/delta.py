@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import sys
 
+from chkq.errors import DeltaError  # noqa: F401 (re-exported)
+
 if sys.version_info >= (3, 14):
     from compression import zstd
     from compression.zstd import CompressionParameter, DecompressionParameter, ZstdDict
@@ -40,10 +42,6 @@ MAX_WINDOW_LOG = 31
 MIN_WINDOW_LOG = 27
 DELTA_LEVEL = 1
 FULL_LEVEL = 1
-
-
-class DeltaError(ValueError):
-    """A delta cannot be made (inputs too large) or decoded (corrupt or wrong base)."""
 
 
 def _window_log(total: int) -> int:

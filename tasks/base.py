@@ -14,19 +14,12 @@ from typing import Any
 from celery import Task
 
 from chkq.config.celery_app import settings
+from chkq.errors import JobInterruptedError, PoisonMessageError  # noqa: F401 (re-exported)
 
 log = logging.getLogger("chkq.tasks")
 
 PROGRESS = "PROGRESS"
 PROGRESS_INTERVAL = 0.5
-
-
-class PoisonMessageError(RuntimeError):
-    """A task message was delivered too many times: it keeps killing its worker."""
-
-
-class JobInterruptedError(RuntimeError):
-    """A step of a job was terminated from outside (revoked, or cancelled on a broker loss)."""
 
 
 def deliveries_key(task_id: str, retries: int = 0) -> str:

@@ -37,6 +37,7 @@ from chkq.access import check_allowed
 from chkq.config.celery_app import app, settings
 from chkq.copy_rows import copy_unit
 from chkq.discovery import check_model_name, check_out_dir
+from chkq.errors import UnprovenJobError  # noqa: F401 (re-exported)
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
 from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
@@ -52,10 +53,6 @@ from chkq.verify_rows import digests_by_dataset, verify_files
 log = logging.getLogger("chkq.tasks")
 
 __all__ = ["consolidation_signature", "root_cause", "task_id"]
-
-
-class UnprovenJobError(RuntimeError):
-    """The link step found a job whose records do not prove its output."""
 
 
 def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:

@@ -34,6 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import app, settings
 from chkq.discovery import check_model_name, check_out_dir
+from chkq.errors import JobCancelledError, JobLostError  # noqa: F401 (re-exported)
 from chkq.finalize import discard_job_files
 from chkq.naming import JobFiles
 from chkq.tasks.consolidate import consolidation_signature, root_cause
@@ -117,18 +118,6 @@ class JobSummary:
 
 class ConsolidationWarning(UserWarning):
     """A finished job's warning (e.g. a checkpoint directory kept by ``cleanup``)."""
-
-
-class JobCancelledError(RuntimeError):
-    """The job was cancelled (``chkq cancel``) before it finished."""
-
-
-class JobLostError(RuntimeError):
-    """The broker no longer knows the job (Redis restarted without persistence).
-
-    Also raised when the broker stayed unreachable for longer than the grace
-    period of :meth:`ConsolidationJob.wait_for_output`.
-    """
 
 
 class ConsolidationJob(AsyncResult):

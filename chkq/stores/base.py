@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from chkq.errors import InvalidKeyError, StoreNotFoundError, TransientStoreError  # noqa: F401 (re-exported)
+
 __all__ = [
     "CheckpointStore",
     "InvalidKeyError",
@@ -47,22 +49,6 @@ T = TypeVar("T")
 
 WRITE_ID_METADATA = "chkq-write-id"
 """Object metadata name under which conditional writes stamp their write id."""
-
-
-class InvalidKeyError(ValueError):
-    """A store key is not a clean ``/``-separated relative name."""
-
-
-class TransientStoreError(OSError):
-    """A store operation kept failing with transient errors after all retries.
-
-    Callers (e.g. Celery commit tasks) may retry later; nothing was left
-    half-written, because every store write is atomic.
-    """
-
-
-class StoreNotFoundError(LookupError):
-    """The store itself (its bucket or directory) does not exist."""
 
 
 def _env_seconds(name: str, default: float) -> float:

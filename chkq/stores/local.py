@@ -18,6 +18,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from chkq.errors import SymlinkInStoreError  # noqa: F401 (re-exported)
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
@@ -28,10 +29,6 @@ TMP_DIR = ".chkq-tmp"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-
-
-class SymlinkInStoreError(PermissionError):
-    """A symbolic link stands where a store expects a directory or an object."""
 
 
 class LocalDirectoryStore(CheckpointStore):
