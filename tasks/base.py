@@ -12,9 +12,14 @@ import time
 from typing import Any
 
 from celery import Task
+from celery.exceptions import Ignore, Retry
 
 from chkq.config.celery_app import settings
-from chkq.errors import JobInterruptedError, PoisonMessageError  # noqa: F401 (re-exported)
+from chkq.errors import (  # noqa: F401 (re-exported)
+    ChkqError,
+    JobInterruptedError,
+    PoisonMessageError,
+)
 
 log = logging.getLogger("chkq.tasks")
 
@@ -67,7 +72,11 @@ class ChkqTask(Task):
 
 
 class Timer:
-    """Logs one line when a task starts and one when it ends, with what it did."""
+    """Logs one line when a task starts and one when it ends, with what it did.
+
+    A step that ends with a user error (bad input, a changed checkpoint...)
+    logs its end at WARNING; only an unexpected exception logs at ERROR.
+    """
 
     def __init__(self, task: str, job: str, **what: Any) -> None:
         self.task, self.job, self.what = task, job, what
@@ -87,5 +96,9 @@ class Timer:
         seconds = round(time.monotonic() - self.started, 3)
         if exc is None:
             log.info("end %s", self._fields({**self.result, "seconds": seconds}))
+        elif isinstance(exc, Ignore | Retry):
+            log.info("skip %s", self._fields({"why": type(exc).__name__, "seconds": seconds}))
         else:
-            log.error("fail %s", self._fields({"error": repr(exc), "seconds": seconds}))
+            expected = isinstance(exc, ChkqError | ValueError | LookupError | OSError | TypeError)
+            (log.warning if expected else log.error)(
+                "fail %s", self._fields({"error": repr(exc), "seconds": seconds}))

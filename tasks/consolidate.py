@@ -24,8 +24,10 @@ data, and stores the root cause under the job id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +68,6 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     check_allowed(out_dir, settings.allowed_roots)
     directory = check_out_dir(os.path.realpath(out_dir))
     return directory, check_model_name(model), check_job_id(job)
-
-
-def _job_plan(task: ChkqTask, out_dir: str, model: str, job: str) -> Plan:
-    """Check a message's arguments, count its delivery, and read its job's recorded plan.
-
-    A task of a cancelled job stops here, before touching anything.
-    """
-    directory, model, job = _checked(out_dir, model, job)
-    _stop_if_cancelled(job)
-    task.check_deliveries()
-    return protocol.load_plan(job, str(directory), model)
 
 
 def _stop_if_cancelled(job: str) -> None:
@@ -146,80 +137,116 @@ def launch_verification(plan: Plan) -> None:
     chord(group(verifies).set(task_id=task_id(job, "verifies")), link_sig).apply_async()
 
 
+def job_step(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """The lifecycle of every step of a job, applied before and around its body.
+
+    In order, so that no step can skip any of it: the message's directory,
+    model and job id are checked (the directory resolved and checked
+    against ``CHKQ_ALLOWED_ROOTS``) before any file is touched; a step of a
+    cancelled job stops; the delivery is counted (a message that keeps
+    killing its worker fails its job); one log line is written when the step
+    starts and one when it ends, with what it worked on and what it did
+    (the body's result). The body gets the resolved directory.
+    """
+    @functools.wraps(body)
+    def step(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
+             **kwargs: Any) -> dict[str, Any]:
+        directory, model, job = _checked(out_dir, model, job)
+        _stop_if_cancelled(job)
+        self.check_deliveries()
+        with Timer(self.name, job, model=model, **_what(args, kwargs)) as timer:
+            result = body(self, str(directory), model, job, *args, **kwargs)
+            timer.result = {k: v for k, v in result.items() if isinstance(v, str | int | float)}
+        return result
+    return step
+
+
+def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What a step works on, for its log lines: its unit, datasets or files.
+
+    These descriptive arguments are for people reading Flower; a message
+    whose descriptions are of the wrong type is refused like any other
+    malformed message.
+    """
+    what: dict[str, Any] = {"unit": args[0]} if args else {}
+    for key in ("datasets", "files"):
+        if key in kwargs:
+            value = kwargs[key]
+            if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+                raise TypeError(f"task argument {key} must be a list of names, got {value!r}")
+            what[key] = ",".join(value)
+    if "rows" in kwargs and (isinstance(kwargs["rows"], bool)
+                             or not isinstance(kwargs["rows"], int)):
+        raise TypeError(f"task argument rows must be an integer, got {kwargs['rows']!r}")
+    return what
+
+
 @app.task(name="chkq.plan", bind=True, base=ChkqTask)
+@job_step
 def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
              cleanup: bool = False) -> dict[str, Any]:
     """Check the run, write the skeleton, record the plan, and launch the copies."""
-    directory, model, job = _checked(out_dir, model, job)
     if not isinstance(cleanup, bool):
         raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
-    _stop_if_cancelled(job)
-    self.check_deliveries()
-    with Timer("chkq.plan", job, model=model, out_dir=directory) as timer:
-        plan = protocol.recorded_plan(job)
-        if plan is None:
-            plan = protocol.store_plan(prepare(
-                directory, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
-                task_bytes=settings.task_bytes, task_files=settings.task_files,
-            ))
-        summary = {
-            "model": model,
-            "out_dir": str(directory),
-            "files": len(plan.files),
-            "datasets": len(plan.datasets),
-            "rows": plan.total_rows,
-            "copy_units": len(plan.copy_units),
-            "verify_units": protocol.verify_unit_count(plan),
-        }
-        timer.result = {"files": len(plan.files), "rows": plan.total_rows,
-                        "bytes": sum(d.total * d.row_bytes for d in plan.datasets)}
-        launch_copies(plan)
-    return summary
+    plan = protocol.recorded_plan(job)
+    if plan is None:
+        plan = protocol.store_plan(prepare(
+            out_dir, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
+            task_bytes=settings.task_bytes, task_files=settings.task_files,
+        ))
+    launch_copies(plan)
+    return {
+        "model": model,
+        "out_dir": out_dir,
+        "files": len(plan.files),
+        "datasets": len(plan.datasets),
+        "rows": plan.total_rows,
+        "bytes": sum(d.total * d.row_bytes for d in plan.datasets),
+        "copy_units": len(plan.copy_units),
+        "verify_units": protocol.verify_unit_count(plan),
+    }
 
 
 @app.task(name="chkq.copy", bind=True, base=ChkqTask)
+@job_step
 def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
          **what: Any) -> dict[str, Any]:
     """Copy one unit of rows into the output (raw chunks or a part file)."""
-    plan = _job_plan(self, out_dir, model, job)
+    plan = protocol.load_plan(job, out_dir, model)
     unit = _checked_unit(unit, len(plan.copy_units), job, "copy")
     if protocol.merged(job) is not None:
         raise Ignore()
     total = describe_unit(plan, unit)["rows"]
-    datasets = ",".join(what.get("datasets", []))
-    with Timer("chkq.copy", job, model=model, unit=unit, datasets=datasets) as timer:
-        stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job,
-                                                               kind="copy"))
-        protocol.record_copied(job, unit, stats.digests)
-        timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
+    stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job, kind="copy"))
+    protocol.record_copied(job, unit, stats.digests)
     self.report(stats.rows, stats.rows, job=job, kind="copy")
-    return {"rows": stats.rows, "bytes": stats.bytes}
+    return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
 
 
 @app.task(name="chkq.merge", bind=True, base=ChkqTask)
+@job_step
 def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     """Move part files into the output, make it durable, record it, launch verification."""
-    plan = _job_plan(self, out_dir, model, job)
+    plan = protocol.load_plan(job, out_dir, model)
     moved = 0
-    with Timer("chkq.merge", job, model=model) as timer:
-        if protocol.merged(job) is None:
-            gaps = [u for u in range(len(plan.copy_units)) if u not in protocol.copied(job)]
-            if gaps:
-                raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
-                                       "did not finish")
-            moved = merge_parts(plan)
-            protocol.record_merged(plan)
-            remove_parts(plan)
-        timer.result = {"bytes": moved}
-        launch_verification(plan)
+    if protocol.merged(job) is None:
+        gaps = [u for u in range(len(plan.copy_units)) if u not in protocol.copied(job)]
+        if gaps:
+            raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
+                                   "did not finish")
+        moved = merge_parts(plan)
+        protocol.record_merged(plan)
+        remove_parts(plan)
+    launch_verification(plan)
     return {"bytes": moved}
 
 
 @app.task(name="chkq.verify", bind=True, base=ChkqTask)
+@job_step
 def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
            **what: Any) -> dict[str, Any]:
     """Verify the output: the rows of a batch of files, or (last unit) the whole structure."""
-    plan = _job_plan(self, out_dir, model, job)
+    plan = protocol.load_plan(job, out_dir, model)
     unit = _checked_unit(unit, protocol.verify_unit_count(plan), job, "verify")
     stamp = protocol.merged(job)
     if stamp is None:
@@ -228,15 +255,12 @@ def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
         return _verify_structure(plan, stamp)
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
-    names = ",".join(what.get("files", []))
     digests = digests_by_dataset(protocol.copied(job), plan)
-    with Timer("chkq.verify", job, model=model, unit=unit, files=names) as timer:
-        stats = verify_files(plan, first, stop, digests,
-                             lambda done: self.report(done, total, job=job, kind="verify"))
-        protocol.record_verified(plan, unit, _still(plan, stamp))
-        timer.result = {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
+    stats = verify_files(plan, first, stop, digests,
+                         lambda done: self.report(done, total, job=job, kind="verify"))
+    protocol.record_verified(plan, unit, _still(plan, stamp))
     self.report(stats.rows, stats.rows, job=job, kind="verify")
-    return {"rows": stats.rows, "bytes": stats.bytes}
+    return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
 
 
 def _still(plan: Plan, stamp: list[int]) -> list[int]:
@@ -249,20 +273,17 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
     reference = plan.files.index(next(f for f in plan.files if f[0] == plan.reference_file))
-    unit = len(plan.verify_units)
-    with Timer("chkq.verify", plan.job_id, model=plan.model, unit=unit,
-               files="(whole-output check)") as timer:
-        check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
-        check_output(plan.job.temp, Path(plan.reference_file),
-                     rows={d.name: d.total for d in plan.datasets},
-                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
-        check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
-        protocol.record_verified(plan, unit, _still(plan, stamp))
-        timer.result = {"rows": 0, "bytes": stamp[0], "structure": "ok"}
+    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+    check_output(plan.job.temp, Path(plan.reference_file),
+                 rows={d.name: d.total for d in plan.datasets},
+                 raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
+    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+    protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
 
 @app.task(name="chkq.link", bind=True, base=ChkqTask)
+@job_step
 def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     """Publish the verified output (create-if-absent) and clean up — only if proven.
 
@@ -272,28 +293,23 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     would have. Records that are complete but disagree with the output as
     it is now (it changed after verification) fail the job.
     """
-    directory, model, job = _checked(out_dir, model, job)
-    self.check_deliveries()
     done = finished_result(job)
     if done is not None:
         return done
-    plan = protocol.load_plan(job, str(directory), model)
+    plan = protocol.load_plan(job, out_dir, model)
     gaps = protocol.proof_gaps(plan)
     if any("did not finish" in gap for gap in gaps):
         log.warning("job=%s link refused, nothing published: %s", job, "; ".join(gaps))
         raise Ignore()
     if gaps:
         raise UnprovenJobError(f"job {job} was not published: " + "; ".join(gaps))
-    files = JobFiles(directory, model, job)
-    with Timer("chkq.link", job, model=model) as timer:
-        output = link_output(plan)
-        warnings = remove_checkpoints(plan) if plan.cleanup else []
-        result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
-                  "bytes": output.stat().st_size, "warnings": warnings}
-        record_finished(job, result)
-        discard_job_files(files)
-        protocol.forget_progress(job)
-        timer.result = {"output": output, "rows": plan.total_rows, "bytes": result["bytes"]}
+    output = link_output(plan)
+    warnings = remove_checkpoints(plan) if plan.cleanup else []
+    result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
+              "bytes": output.stat().st_size, "warnings": warnings}
+    record_finished(job, result)
+    discard_job_files(plan.job)
+    protocol.forget_progress(job)
     return result
 
 
