@@ -159,6 +159,25 @@ def check_relative_name(name: str) -> str:
     return name
 
 
+def _json_object(raw: str | bytes, what: str, fields: Any, required: Any) -> dict[str, Any]:
+    """Parse a stored record or entry: a JSON object of a known format with typed fields.
+
+    Raises
+    ------
+    ValueError
+        Saying what is wrong.
+    """
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    _check_format(obj)
+    _check_types(obj, fields, required)
+    return obj
+
+
 def _check_format(obj: dict[str, Any]) -> None:
     version = obj.get("format", 1)
     if type(version) is not int or version < 1:
@@ -261,14 +280,7 @@ class CheckpointRecord:
         ValueError
             If the text is not a valid record; the message says what is wrong.
         """
-        try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("record is not a JSON object")
-        _check_format(obj)
-        _check_types(obj, _RECORD_FIELDS, _RECORD_REQUIRED)
+        obj = _json_object(raw, "record", _RECORD_FIELDS, _RECORD_REQUIRED)
         obj.setdefault("format", 1)
         obj.setdefault("parent", None)
         obj.setdefault("base", None)
@@ -353,14 +365,7 @@ class NameEntry:
         ValueError
             If the text is not a valid entry.
         """
-        try:
-            obj = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"not JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("entry is not a JSON object")
-        _check_format(obj)
-        _check_types(obj, _ENTRY_FIELDS, _ENTRY_REQUIRED)
+        obj = _json_object(raw, "entry", _ENTRY_FIELDS, _ENTRY_REQUIRED)
         names = set(cls.__dataclass_fields__) - {"legacy"}
         entry = cls(**{k: v for k, v in obj.items() if k in names})
         if not _is_id(entry.id):

@@ -24,6 +24,7 @@ import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
 
 from chkq.errors import OutputMismatchError
+from chkq.h5types import is_variable
 
 MAX_LISTED = 5
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -217,7 +218,7 @@ def _dcpl_signature(dsid: h5d.DatasetID) -> dict[str, Any]:
         "track_times": dcpl.get_obj_track_times(),
         "fill_value": None,
     }
-    if not _pointer_type(dsid.get_type()):
+    if not is_variable(dsid.get_type()):
         try:
             value = np.zeros((), dtype=dsid.dtype)
             dcpl.get_fill_value(value)
@@ -240,7 +241,7 @@ def _compare_values(name: str, expected: h5d.DatasetID, actual: h5d.DatasetID,
         if _stored_chunks(expected) != _stored_chunks(actual):
             found.append(f"dataset {name!r}: its stored chunks differ")
         return
-    if _pointer_type(tid):
+    if is_variable(tid):
         a = ref_file[name][()]
         b = out_file[name][()]
         if not _same_values(_names(a, ref_file), _names(b, out_file)):
@@ -281,20 +282,6 @@ def _stored_chunks(dsid: h5d.DatasetID) -> list[tuple[Any, ...]]:
     return chunks
 
 
-def _pointer_type(tid: h5t.TypeID) -> bool:
-    """Types whose memory form holds pointers: compared by value, not bytes."""
-    cls = tid.get_class()
-    if cls in (h5t.VLEN, h5t.REFERENCE):
-        return True
-    if cls == h5t.STRING:
-        return bool(tid.is_variable_str())
-    if cls == h5t.COMPOUND:
-        return any(_pointer_type(tid.get_member_type(i)) for i in range(tid.get_nmembers()))
-    if cls in (h5t.ARRAY, h5t.ENUM):
-        return _pointer_type(tid.get_super())
-    return False
-
-
 def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.File,
                         out_file: h5py.File, found: list[str]) -> None:
     """Same attribute names, types, dataspaces and bytes (values for pointer types)."""
@@ -307,7 +294,7 @@ def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.Fi
             dims = space.get_simple_extent_dims() if kind == h5s.SIMPLE else ()
             if kind == h5s.NULL:
                 value: Any = None
-            elif _pointer_type(tid):
+            elif is_variable(tid):
                 value = _names(_read_attr_values(obj, attr.name, file), file)
             else:
                 buf = np.empty(space.shape, dtype=f"V{tid.get_size()}")

@@ -22,6 +22,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s, h5t
 
+from chkq.h5types import is_variable
+
 
 def _library() -> ctypes.CDLL:
     """The libhdf5 h5py itself uses (same process-wide state, so ids are valid)."""
@@ -85,7 +87,7 @@ def element_values(rows: np.ndarray, tid: h5t.TypeID) -> list[bytes | None]:
     if tid.get_class() == h5t.STRING and tid.is_variable_str():
         pointers = raw[:, :8].copy().view(np.uint64).reshape(-1)
         return [None if not p else ctypes.string_at(int(p)) for p in pointers]
-    if tid.get_class() == h5t.VLEN and not _holds_pointers(tid.get_super()):
+    if tid.get_class() == h5t.VLEN and not is_variable(tid.get_super()):
         base = tid.get_super().get_size()
         lengths = raw[:, :8].copy().view(np.uint64).reshape(-1)
         pointers = raw[:, 8:16].copy().view(np.uint64).reshape(-1)
@@ -94,21 +96,8 @@ def element_values(rows: np.ndarray, tid: h5t.TypeID) -> list[bytes | None]:
     raise TypeError("no byte form for this variable-length type")
 
 
-def _holds_pointers(tid: h5t.TypeID) -> bool:
-    cls = tid.get_class()
-    if cls in (h5t.VLEN, h5t.REFERENCE):
-        return True
-    if cls == h5t.STRING:
-        return bool(tid.is_variable_str())
-    if cls == h5t.COMPOUND:
-        return any(_holds_pointers(tid.get_member_type(i)) for i in range(tid.get_nmembers()))
-    if cls in (h5t.ARRAY, h5t.ENUM):
-        return _holds_pointers(tid.get_super())
-    return False
-
-
 def byte_comparable(tid: h5t.TypeID) -> bool:
     """Whether :func:`element_values` can describe elements of ``tid``."""
     if tid.get_class() == h5t.STRING:
         return bool(tid.is_variable_str())
-    return tid.get_class() == h5t.VLEN and not _holds_pointers(tid.get_super())
+    return tid.get_class() == h5t.VLEN and not is_variable(tid.get_super())

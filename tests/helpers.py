@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import h5py
 import numpy as np
 
 from chkq.h5types import type_key as type_signature
 from chkq.structure import is_extensible
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 60.0, what: str = "condition",
+             interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something true (returned), or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
 
 
 def snapshot(directory: Path) -> dict[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import h5py
@@ -16,7 +15,7 @@ from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import copied, recorded_plan
 from chkq.workers.client import ConsolidationJob, submit_consolidation
-from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
+from tests.helpers import assert_consolidated, corrupt_chunk, snapshot, wait_for
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 
 SLUG = Path(__file__).resolve().parent / "data" / "QHIFUVstats.h5"
@@ -214,14 +213,6 @@ def test_cleanup_of_single_file_checkpoints(tmp_path: Path) -> None:
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=20))
     consolidate(tmp_path, cleanup=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.h5"]
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def state_of(job: ConsolidationJob, step: str, unit: int | None = None) -> str:

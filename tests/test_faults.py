@@ -43,7 +43,7 @@ from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import recorded_plan
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import ConsolidationJob, JobLostError, submit_consolidation
-from tests.helpers import assert_consolidated, snapshot
+from tests.helpers import assert_consolidated, snapshot, wait_for
 from tests.plugins.cluster import WorkerProcess
 
 # A result handle collected after its Redis was killed cannot unsubscribe: that
@@ -86,14 +86,6 @@ def slow_unit(job: ConsolidationJob, run: Path) -> int:
 def copying(job: ConsolidationJob, unit: int) -> Callable[[], bool]:
     """True while copy unit ``unit`` runs and has reported progress."""
     return lambda: state_of(job, "copy", unit) == "PROGRESS"
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
 
 
 def state_of(job: ConsolidationJob, step: str, unit: int | None = None) -> str:

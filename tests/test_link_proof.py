@@ -19,18 +19,10 @@ from chkq.config.routing import CONTROL_QUEUE, VERIFY_QUEUE
 from chkq.demo import RunShape, make_run
 from chkq.tasks import protocol
 from chkq.workers.client import submit_consolidation
-from tests.helpers import snapshot
+from tests.helpers import snapshot, wait_for
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 120
-
-
-def wait_for(predicate, timeout: float = 60.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def forge_link(out_dir: Path, job: str) -> None:

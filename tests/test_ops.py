@@ -17,7 +17,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from base64 import b64encode
@@ -30,6 +29,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis, free_port
+from tests import helpers
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
@@ -96,13 +96,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 def wait_for(condition: Any, what: str, timeout: float = TIMEOUT) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
+    return helpers.wait_for(condition, timeout, what, interval=0.25)
 
 
 @pytest.fixture(scope="module")
