@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from chkq.commits import (
     restore_run,
     write_output,
 )
+from chkq.config.settings import Settings
 from chkq.log import (
     DEFAULT_GC_AGE,
     CheckpointLog,
@@ -113,7 +113,7 @@ def _line(record: CheckpointRecord, names: dict[str, list[str]] | None = None) -
 
 def _commit_in_process(args: argparse.Namespace) -> bool:
     scheme = urlsplit(args.store).scheme.lower()
-    return not os.environ.get("CHKQ_BROKER_URL") and scheme in IN_PROCESS_SCHEMES
+    return Settings.from_env().broker_url is None and scheme in IN_PROCESS_SCHEMES
 
 
 @_clean_errors
