@@ -267,7 +267,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     def command(name: str, help: str, func: Any) -> argparse.ArgumentParser:
         p = cmds.add_parser(name, help=help)
-        p.add_argument("store", help="file:///abs/dir, s3://bucket/prefix, gs://bucket/prefix")
+        p.add_argument("store", help="file:///abs/dir, s3://bucket/prefix, gs://bucket/prefix "
+                                     "or memory://name")
         p.add_argument("run", help="the run's id in the store")
         p.set_defaults(func=func)
         return p

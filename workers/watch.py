@@ -116,7 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "complete")
     p.add_argument("out_dir", type=Path)
     p.add_argument("model")
-    p.add_argument("--store", required=True, help="the log's store URL")
+    p.add_argument("--store", required=True, help="the log's store URL: file:///abs/dir, "
+                   "s3://bucket/prefix, gs://bucket/prefix or memory://name")
     p.add_argument("--run", required=True, help="the run's id in the log")
     p.add_argument("--consolidate", action="store_true",
                    help="enqueue the consolidation when the run has finished")
