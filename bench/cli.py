@@ -915,6 +915,11 @@ def report(samples: dict[tuple[str, str], list[Sample]],
         for name, parts in breakdowns.items():
             print("#   " + f"{name:8s}" + "".join(
                 f"{median([p.get(k, float('nan')) for p in parts]):11.3f}" for k in keys))
+        tails = {name: max(p.get("client_tail", 0.0) for p in parts)
+                 for name, parts in breakdowns.items()}
+        print("#   longest client_tail per run (a waiting client's worker check, an "
+              "inspect broadcast of up to 1 s, can delay its noticing the end): "
+              + "; ".join(f"{name} {t:.2f} s" for name, t in tails.items()))
         print("#   consecutive segments, startup..client_tail, add up to the wall time: "
               "startup = client start to the plan message's arrival at the worker "
               "(interpreter, imports, checks, submission); dispatch = arrival to plan start; "
