@@ -14,8 +14,7 @@ tasks as bytes at chunk offsets, so all their chunks must exist before the
 copy starts. HDF5 allocates them in one call when a dataset's allocation
 time is EARLY; otherwise allocating costs a write of every chunk. So a
 raw-mode dataset that nothing else can tell apart from a new one (a single
-link, no references in the file, attributes of fixed-size types) is
-recreated with EARLY allocation instead (the
+link, no references in the file) is recreated with EARLY allocation instead (the
 *allocation time* is then the only property that differs from the
 template, and the template's rows stay behind as unused space), and any
 other is resized in place and allocated by writing it. The rows of a
@@ -32,10 +31,11 @@ from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5o, h5p, h5s
+from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
+from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024
@@ -57,21 +57,29 @@ def dataset_mode(dsid: h5d.DatasetID) -> str:
 
 
 def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
-    """Copy every attribute of ``source`` to ``target``: same name, type, space and bytes.
+    """Copy every attribute of ``source`` to ``target``: same name, type, space and value.
 
-    Only for attributes of fixed-size types (the bytes are read with the
-    file type as the memory type, so nothing is converted).
+    Values move in HDF5's memory form of the attribute's own type, so nothing
+    is converted (fixed-size data as its bytes; variable-length strings and
+    sequences through HDF5's descriptors, freed after). Attributes are
+    created in the source's creation order when it tracks one.
     """
+    order = (h5.INDEX_CRT_ORDER if source.id.get_create_plist().get_attr_creation_order()
+             else h5.INDEX_NAME)
     for index in range(h5a.get_num_attrs(source.id)):
-        attr = h5a.open(source.id, index=index)
+        attr = h5a.open(source.id, index=index, index_type=order)
         space = attr.get_space()
         tid = attr.get_type()
         new = h5a.create(target.id, attr.name, tid, space)
         if space.get_simple_extent_type() == h5s.NULL:
             continue
-        value = np.empty(space.shape, dtype=opaque_dtype(tid))
+        value = np.zeros(space.shape, dtype=opaque_dtype(tid))
         attr.read(value, mtype=tid)
-        new.write(value, mtype=tid)
+        try:
+            new.write(value, mtype=tid)
+        finally:
+            if is_variable(tid):
+                reclaim(tid, space, value)
 
 
 def create_extensible(group: h5py.Group, name: str, source: h5py.Dataset,
@@ -214,10 +222,9 @@ def _recreatable(dataset: h5py.Dataset, file_has_references: bool) -> bool:
         and dcpl.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
     if fills:
         return False  # allocating writes every chunk anyway: keep the allocation time
-    for index in range(h5a.get_num_attrs(dataset.id)):
-        if is_variable(h5a.open(dataset.id, index=index).get_type()):
-            return False
-    return True
+    # Attribute names are created ASCII-encoded (h5py cannot set their encoding).
+    return all(h5a.get_info(dataset.id, index=i).cset == h5t.CSET_ASCII
+               for i in range(h5a.get_num_attrs(dataset.id)))
 
 
 def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:

@@ -39,8 +39,9 @@ _LIB: ctypes.CDLL | None = None
 H5P_DEFAULT = 0
 
 
-def _reclaim(tid: h5t.TypeID, space: h5s.SpaceID, buffer: np.ndarray) -> None:
-    global _LIB
+def reclaim(tid: h5t.TypeID, space: h5s.SpaceID, buffer: np.ndarray) -> None:
+    """Free what HDF5 allocated for the variable-length elements read into ``buffer``."""
+    global _LIB  # noqa: PLW0603 - loaded once, on first use
     if _LIB is None:
         _LIB = _library()
     if _LIB.H5Treclaim(tid.id, space.id, H5P_DEFAULT, buffer.ctypes.data) < 0:
@@ -63,7 +64,7 @@ def read_rows(dsid: h5d.DatasetID, start: int, count: int,
         yield buffer
     finally:
         if count:
-            _reclaim(tid, mspace, buffer)
+            reclaim(tid, mspace, buffer)
 
 
 def write_rows(dsid: h5d.DatasetID, start: int, rows: np.ndarray, tid: h5t.TypeID) -> None:
