@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 
 from chkq.fsutil import fsync_dir
-from chkq.naming import JobFiles
+from chkq.naming import discard_job_files  # noqa: F401 (re-exported)
 from chkq.plan import Plan
 from chkq.stamps import FileStamp, check_descriptor
 
@@ -175,13 +175,3 @@ def _remove_folder(run_fd: int, name: str, shown: Path) -> str | None:
         return (f"checkpoint directory {str(shown)!r} was kept: it holds other "
                 f"files ({', '.join(others[:5])})")
     return None
-
-
-def discard_job_files(job: JobFiles) -> list[Path]:
-    """Remove every temporary of ``job`` (never the output, never a checkpoint)."""
-    removed = []
-    for path in job.temporaries():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
-    return removed

@@ -7,6 +7,7 @@ so that two jobs never share one and cleanup removes only its own job's.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,3 +58,13 @@ class JobFiles:
         """Every file of this job that exists now, output excepted."""
         start = self.prefix + "."
         return sorted(p for p in self.out_dir.iterdir() if p.name.startswith(start))
+
+
+def discard_job_files(job: JobFiles) -> list[Path]:
+    """Remove every temporary of ``job`` (never the output, never a checkpoint)."""
+    removed = []
+    for path in job.temporaries():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed

@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chkq.discovery import Checkpoint, find_checkpoints
 from chkq.naming import JobFiles
 from chkq.stamps import FileStamp
-from chkq.structure import FileScan, check_same_structure, scan_file
+
+if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
+    from chkq.structure import FileScan
 
 PLAN_VERSION = 1
 
@@ -148,31 +149,6 @@ class Plan:
         raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
         raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
         return cls(**raw)
-
-
-def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
-    """Find the run's checkpoints and scan every file, refusing a bad run.
-
-    Raises
-    ------
-    FileNotFoundError
-        If the run has no checkpoints.
-    ValueError
-        If a file is incomplete, unreadable, not HDF5, or differs in
-        structure, or a checkpoint directory holds no ``.h5`` file.
-    """
-    checkpoints = find_checkpoints(out_dir, model)
-    if not checkpoints:
-        raise FileNotFoundError(
-            f"no checkpoints of model {model!r} in {str(out_dir)!r} "
-            f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)"
-        )
-    for checkpoint in checkpoints:
-        if not checkpoint.files:
-            raise ValueError(f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
-    scans = [scan_file(path) for checkpoint in checkpoints for path in checkpoint.files]
-    check_same_structure(scans)
-    return checkpoints, scans
 
 
 def offsets_of(name: str, scans: list[FileScan]) -> list[int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from h5py import h5d, h5f, h5o, h5t
 
-from chkq.discovery import check_model_name, check_out_dir
+from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
 from chkq.h5types import describe_type, element_count, has_reference
 from chkq.naming import JobFiles
 from chkq.plan import (
@@ -21,12 +21,11 @@ from chkq.plan import (
     Plan,
     cut_copy_units,
     cut_verify_units,
-    discover_and_scan,
     offsets_of,
 )
 from chkq.skeleton import create_skeleton, dataset_mode
 from chkq.stamps import stamp_of
-from chkq.structure import open_checkpoint_id
+from chkq.structure import FileScan, check_same_structure, open_checkpoint_id, scan_file
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -90,6 +89,31 @@ def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
     if found:
         raise ValueError(f"dataset '/{found[0]}' of {str(reference)!r} keeps its data in other "
                          "files (virtual or external storage): chkq does not consolidate it")
+
+
+def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
+    """Find the run's checkpoints and scan every file, refusing a bad run.
+
+    Raises
+    ------
+    FileNotFoundError
+        If the run has no checkpoints.
+    ValueError
+        If a file is incomplete, unreadable, not HDF5, or differs in
+        structure, or a checkpoint directory holds no ``.h5`` file.
+    """
+    checkpoints = find_checkpoints(out_dir, model)
+    if not checkpoints:
+        raise FileNotFoundError(
+            f"no checkpoints of model {model!r} in {str(out_dir)!r} "
+            f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)"
+        )
+    for checkpoint in checkpoints:
+        if not checkpoint.files:
+            raise ValueError(f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
+    scans = [scan_file(path) for checkpoint in checkpoints for path in checkpoint.files]
+    check_same_structure(scans)
+    return checkpoints, scans
 
 
 def prepare(

@@ -31,9 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from celery import chord, group, signature
-from celery.exceptions import ChordError, Ignore, TaskRevokedError
-from celery.result import AsyncResult
+from celery import chord, group
+from celery.exceptions import Ignore, TaskRevokedError
 
 from chkq.access import check_allowed
 from chkq.config.celery_app import app, settings
@@ -49,12 +48,20 @@ from chkq.planner import prepare
 from chkq.stamps import check_unchanged
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
-from chkq.tasks.protocol import finished_result, record_finished, task_id
+from chkq.tasks.protocol import (
+    consolidation_signature,
+    fail_signature,
+    failing_task,
+    finished_result,
+    record_finished,
+    root_cause,
+    task_id,
+)
 from chkq.verify_rows import digests_by_dataset, verify_files
 
 log = logging.getLogger("chkq.tasks")
 
-__all__ = ["consolidation_signature", "root_cause", "task_id"]
+__all__ = ["consolidation_signature", "root_cause", "task_id"]  # re-exported from protocol
 
 
 def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
@@ -83,10 +90,6 @@ def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
     return unit
 
 
-def _fail_signature(out_dir: str, model: str, job: str) -> Any:
-    return fail.s(out_dir, model, job)
-
-
 def describe_unit(plan: Plan, index: int) -> dict[str, Any]:
     """What a copy unit works on, for task arguments people read in Flower."""
     unit = plan.copy_units[index]
@@ -108,7 +111,7 @@ def launch_copies(plan: Plan) -> None:
     """Send the copy group, with merge as its chord callback."""
     job, out_dir, model = plan.job_id, plan.out_dir, plan.model
     merge_sig = merge.si(out_dir, model, job).set(
-        task_id=task_id(job, "merge"), link_error=[_fail_signature(out_dir, model, job)]
+        task_id=task_id(job, "merge"), link_error=[fail_signature(out_dir, model, job)]
     )
     copies = [
         copy.si(out_dir, model, job, i, **describe_unit(plan, i)).set(
@@ -126,7 +129,7 @@ def launch_verification(plan: Plan) -> None:
     """Send the verify group (file batches, then the whole-output check), link as callback."""
     job, out_dir, model = plan.job_id, plan.out_dir, plan.model
     link_sig = link.si(out_dir, model, job).set(
-        task_id=task_id(job, "link"), link_error=[_fail_signature(out_dir, model, job)]
+        task_id=task_id(job, "link"), link_error=[fail_signature(out_dir, model, job)]
     )
     verifies = [
         verify.si(out_dir, model, job, i, files=describe_files(plan, i)).set(
@@ -313,29 +316,6 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     return result
 
 
-def root_cause(exc: BaseException) -> BaseException:
-    """The exception a header task raised, when ``exc`` is the ChordError wrapping it."""
-    return failing_task(exc, None)[1]
-
-
-def failing_task(exc: BaseException, task: str | None) -> tuple[str | None, BaseException]:
-    """The task that really failed, and its exception, when ``exc`` is a ChordError.
-
-    Celery reports a failed chord header only as a ChordError naming the
-    header task's id; its result holds the real exception.
-    """
-    seen = 0
-    while isinstance(exc, ChordError) and seen < 4:
-        words = str(exc).split()
-        if len(words) < 2 or words[0] != "Dependency":
-            break
-        inner = AsyncResult(words[1], app=app).result
-        if not isinstance(inner, BaseException):
-            break
-        task, exc, seen = words[1], inner, seen + 1
-    return task, exc
-
-
 def explained(cause: BaseException, job: str) -> BaseException:
     """The error a user is shown for ``cause``, the root cause of a failed job.
 
@@ -389,10 +369,3 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job, model,
                 task, cause, len(removed))
     app.backend.mark_as_failure(job, cause)
-
-
-def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
-    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
-    return signature(
-        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=app
-    ).set(task_id=task_id(job, "plan"), link_error=[_fail_signature(out_dir, model, job)])

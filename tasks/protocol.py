@@ -30,10 +30,15 @@ import json
 import os
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+from celery import signature
+from celery.exceptions import ChordError
+from celery.result import AsyncResult
 
 from chkq.config.celery_app import app, settings
 from chkq.naming import check_job_id
@@ -73,6 +78,41 @@ def task_id(job: str, step: str, unit: int | None = None) -> str:
     return job if step == "link" else f"{job}-{step}" + ("" if unit is None else f"-{unit}")
 
 
+def fail_signature(out_dir: str, model: str, job: str) -> Any:
+    """The errback every step of a job carries: ``chkq.fail`` with the job's arguments."""
+    return signature("chkq.fail", args=(out_dir, model, job), app=app)
+
+
+def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
+    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
+    return signature(
+        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=app
+    ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job)])
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The exception a header task raised, when ``exc`` is the ChordError wrapping it."""
+    return failing_task(exc, None)[1]
+
+
+def failing_task(exc: BaseException, task: str | None) -> tuple[str | None, BaseException]:
+    """The task that really failed, and its exception, when ``exc`` is a ChordError.
+
+    Celery reports a failed chord header only as a ChordError naming the
+    header task's id; its result holds the real exception.
+    """
+    seen = 0
+    while isinstance(exc, ChordError) and seen < 4:
+        words = str(exc).split()
+        if len(words) < 2 or words[0] != "Dependency":
+            break
+        inner = AsyncResult(words[1], app=app).result
+        if not isinstance(inner, BaseException):
+            break
+        task, exc, seen = words[1], inner, seen + 1
+    return task, exc
+
+
 def _key(job: str, what: str) -> str:
     return f"chkq-job-{job}-{what}"
 
@@ -92,10 +132,29 @@ def store_plan(plan: Plan) -> Plan:
     return recorded
 
 
+#: Plans this process parsed, newest last: a plan is written once and never changes, and
+#: a run of thousands of files has a plan of megabytes that every task would parse again.
+_PLANS: OrderedDict[str, Plan] = OrderedDict()
+PLAN_CACHE = 4
+
+
 def recorded_plan(job: str) -> Plan | None:
-    """The plan recorded for ``job``, or None."""
-    raw = _client().get(_key(job, "plan"))
-    return Plan.from_json(raw.decode() if isinstance(raw, bytes) else raw) if raw else None
+    """The plan recorded for ``job``, or None (it is fetched only once per process)."""
+    key = _key(job, "plan")
+    if job in _PLANS:
+        if _client().exists(key):
+            _PLANS.move_to_end(job)
+            return _PLANS[job]
+        del _PLANS[job]
+        return None
+    raw = _client().get(key)
+    if not raw:
+        return None
+    plan = Plan.from_json(raw.decode() if isinstance(raw, bytes) else raw)
+    _PLANS[job] = plan
+    while len(_PLANS) > PLAN_CACHE:
+        _PLANS.popitem(last=False)
+    return plan
 
 
 def load_plan(job: str, out_dir: str, model: str) -> Plan:

@@ -27,8 +27,7 @@ from kombu import Connection, Exchange, Producer
 from chkq.config.celery_app import app
 from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
-from chkq.finalize import discard_job_files
-from chkq.naming import JobFiles
+from chkq.naming import JobFiles, discard_job_files
 from chkq.planner import prepare
 from chkq.tasks import protocol
 from chkq.workers.broker import PrivateRedis

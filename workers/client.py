@@ -35,15 +35,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from chkq.config.celery_app import app, settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.errors import JobCancelledError, JobLostError  # noqa: F401 (re-exported)
-from chkq.finalize import discard_job_files
-from chkq.naming import JobFiles
-from chkq.tasks.consolidate import consolidation_signature, root_cause
+from chkq.naming import JobFiles, discard_job_files
 from chkq.tasks.protocol import (
     cancelled,
+    consolidation_signature,
     finished_result,
     job_info,
     job_status,
     record_submitted,
+    root_cause,
 )
 
 POLL_SECONDS = 0.05
@@ -362,7 +362,7 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool) -> tupl
     if output.exists() or output.is_symlink():
         raise FileExistsError(f"output {str(output)!r} exists; it is never overwritten")
     if scan:
-        from chkq.plan import discover_and_scan
+        from chkq.planner import discover_and_scan
 
         discover_and_scan(directory, model)
     elif not find_checkpoints(directory, model):

@@ -260,8 +260,7 @@ def cancel_job(job: str) -> str:
         The job already finished or failed: there is nothing to cancel.
     """
     from chkq.config.celery_app import app
-    from chkq.finalize import discard_job_files
-    from chkq.naming import JobFiles
+    from chkq.naming import JobFiles, discard_job_files
     from chkq.tasks.protocol import job_status, record_cancelled
 
     status = job_status(job)
