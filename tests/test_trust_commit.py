@@ -49,8 +49,12 @@ def tree(directory: Path) -> dict[str, str]:
 
 
 def send_commit(*args: Any, **kwargs: Any) -> AsyncResult:
-    """A raw ``chkq.commit`` message, as anyone with broker access can send one."""
-    return app.signature("chkq.commit", args=args, kwargs=kwargs).apply_async()
+    """A raw ``chkq.commit`` message, as anyone with broker access can send one.
+
+    (``send_task`` sends it as it is, whether or not this process has imported
+    the task: no client-side argument check stands in for the worker's.)
+    """
+    return app.send_task("chkq.commit", args=args, kwargs=kwargs)
 
 
 def assert_alive(worker: WorkerProcess) -> None:
