@@ -304,9 +304,15 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     if any("did not finish" in gap for gap in gaps):
         log.warning("job=%s link refused, nothing published: %s", job, "; ".join(gaps))
         raise Ignore()
-    if gaps:
-        raise UnprovenJobError(f"job {job} was not published: " + "; ".join(gaps))
-    output = link_output(plan)
+    try:
+        if gaps:
+            raise UnprovenJobError(f"job {job} was not published: " + "; ".join(gaps))
+        output = link_output(plan)
+    except BaseException:
+        # Celery makes this step's failure visible before its errback runs: clean up first,
+        # so that a failed job has left no temporaries by the time anyone sees it failed.
+        discard_job_files(plan.job)
+        raise
     warnings = remove_checkpoints(plan) if plan.cleanup else []
     result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
               "bytes": output.stat().st_size, "warnings": warnings}
