@@ -25,7 +25,13 @@ from chkq.plan import (
 )
 from chkq.skeleton import create_skeleton, dataset_mode
 from chkq.stamps import stamp_of
-from chkq.structure import FileScan, check_same_structure, open_checkpoint_id, scan_file
+from chkq.structure import (
+    FileScan,
+    check_same_structure,
+    open_checkpoint_id,
+    refuse_outside_storage,
+    scan_file,
+)
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -73,22 +79,14 @@ def _classic_references(tid: h5t.TypeID) -> bool:
 
 
 def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
-    """Refuse a template whose fixed datasets keep data in other files (the output would too)."""
-    found: list[str] = []
+    """Refuse a template whose datasets keep data in other files (the output would too)."""
 
-    def visit(name: bytes, info: h5o._ObjInfo) -> int | None:
-        if info.type != h5o.TYPE_DATASET:
-            return None
-        dcpl = h5d.open(fid, name).get_create_plist()
-        if dcpl.get_layout() == h5d.VIRTUAL or dcpl.get_external_count() > 0:
-            found.append(name.decode(errors="replace"))
-            return 1
-        return None
+    def visit(name: bytes, info: h5o._ObjInfo) -> None:
+        if info.type == h5o.TYPE_DATASET:
+            refuse_outside_storage(reference, name.decode("utf-8", "surrogateescape"),
+                                   h5d.open(fid, name).get_create_plist())
 
     h5o.visit(fid, visit, info=True)
-    if found:
-        raise ValueError(f"dataset '/{found[0]}' of {str(reference)!r} keeps its data in other "
-                         "files (virtual or external storage): chkq does not consolidate it")
 
 
 def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:

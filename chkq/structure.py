@@ -14,7 +14,7 @@ from pathlib import Path
 
 import h5py
 import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... with HDF5)
-from h5py import h5a, h5d, h5f, h5o, h5s, h5t, h5z
+from h5py import h5a, h5d, h5f, h5o, h5p, h5s, h5t, h5z
 
 from chkq.h5types import element_count, type_key
 
@@ -100,15 +100,11 @@ def _signature_of(tid: h5t.TypeID) -> str:
     return found
 
 
-def check_storage(path: Path, name: str, dsid: h5d.DatasetID, extensible: bool) -> None:
-    """Refuse a dataset chkq cannot copy exactly, or one declaring rows it does not hold.
+def refuse_outside_storage(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
+    """Refuse a virtual or external-storage dataset: its data lives in other files.
 
-    External storage and virtual datasets keep their data outside the file
-    (possibly outside the run); a filter without a plugin cannot be decoded;
-    a dataset that declares far more rows than its stored bytes could hold
-    would make chkq allocate and copy data that does not exist.
+    (Possibly outside the run: chkq neither reads nor links such data.)
     """
-    dcpl = dsid.get_create_plist()
     where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
     if dcpl.get_layout() == h5d.VIRTUAL:
         raise ValueError(f"{where} is a virtual dataset (its data lives in other files): "
@@ -116,8 +112,20 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID, extensible: bool) 
     if dcpl.get_external_count() > 0:
         raise ValueError(f"{where} stores its data in external files: chkq does not "
                          "consolidate external storage")
-    if not extensible:
-        return
+
+
+def check_storage(path: Path, name: str, dsid: h5d.DatasetID) -> None:
+    """Refuse an extensible dataset chkq cannot copy exactly, or that declares rows it lacks.
+
+    Besides data outside the file (:func:`refuse_outside_storage`), a filter
+    without a plugin cannot be decoded, and a dataset that declares far more
+    rows than its stored bytes could hold would make chkq allocate and copy
+    data that does not exist. (Fixed datasets are taken from the template
+    only, which the planner checks.)
+    """
+    dcpl = dsid.get_create_plist()
+    refuse_outside_storage(path, name, dcpl)
+    where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
     filtered = dcpl.get_nfilters() > 0
     for index in range(dcpl.get_nfilters()):
         code, _flags, _values, label = dcpl.get_filter(index)
@@ -181,8 +189,8 @@ def scan_file(path: Path) -> FileScan:
                             f"dataset '/{name}' of checkpoint file {str(path)!r} is "
                             "unlimited along another axis than the first: chkq "
                             "concatenates rows along the first axis only")
-                    check_storage(path, name, dsid, extensible)
                     if extensible:
+                        check_storage(path, name, dsid)
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(dsid.get_type())
                         scan.objects[name] = f"extensible {signature} {trailing}"
