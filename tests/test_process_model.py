@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import snapshot
+from tests.helpers import snapshot, wait_for
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 
@@ -155,7 +155,9 @@ def test_a_signal_ends_the_command_and_everything_it_started(
 
 def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_path: Path
                                                            ) -> None:
-    """Nothing can clean up after SIGKILL but the kernel: the children die with their parent."""
+    """SIGKILL: the children die with their parent, and the reaper removes the job's
+    temporaries from the run directory."""
+    before = snapshot(run_dir)
     tmp = tmp_path / "tmp"
     command = Command(["consolidate", "run", "--out-dir", str(run_dir), "--workers", "2"],
                       embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024)))
@@ -166,6 +168,7 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     assert len(command.tree) >= 4
     assert list(tmp.iterdir()) == [], "no directory is left, even after SIGKILL"
     assert not (run_dir / "run.h5").exists()
+    wait_for(lambda: snapshot(run_dir) == before, 15, "the reaper to remove the temporaries")
 
 
 def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(

@@ -419,9 +419,8 @@ def run_consolidation(
     precheck(model_name, out_dir, scan=True)
     with EmbeddedCluster(workers) as cluster:
         job = submit_consolidation(model_name, out_dir, cleanup)
-        files = job.files
-        if files is not None:
-            cluster.on_abandon(lambda: discard_job_files(files))
+        if job.files is not None:
+            cluster.guard(job.files)
         if on_submitted is not None:
             on_submitted(job)
         return job.wait_for_summary(timeout, on_progress, is_alive=cluster.check_alive)

@@ -15,7 +15,9 @@ Nothing outlives the command, whatever ends it:
 - SIGKILL of the command (or a crash) leaves the kernel to do it: the worker's
   main process and redis-server are started with ``PR_SET_PDEATHSIG``
   (:func:`chkq.workers.broker.die_with_parent`), and Celery gives its pool
-  processes the same, so the whole tree goes with its parent.
+  processes the same, so the whole tree goes with its parent; the reaper
+  (:mod:`chkq.workers.reaper`), which holds a lifeline to the command,
+  then removes the job's temporaries and exits.
 
 The worker's log goes to an anonymous temporary file and the broker keeps
 no directory, so nothing is left on disk either.
@@ -38,6 +40,7 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import app, use_broker
 from chkq.config.routing import QUEUES
+from chkq.naming import JobFiles, discard_job_files
 from chkq.workers.broker import PrivateRedis, die_with_parent
 
 #: Seconds an idle worker gets for a warm shutdown before its group is killed.
@@ -85,6 +88,7 @@ class EmbeddedCluster:
         self.broker = PrivateRedis()
         self.log: IO[bytes] = tempfile.TemporaryFile(prefix="chkq-embedded-")  # noqa: SIM115
         self.process: subprocess.Popen[bytes] | None = None
+        self.reaper: subprocess.Popen[bytes] | None = None
         self._abandon_hooks: list[Callable[[], Any]] = []
 
     def __enter__(self) -> EmbeddedCluster:
@@ -99,10 +103,39 @@ class EmbeddedCluster:
                 stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
             )
+            self.reaper = subprocess.Popen(
+                [sys.executable, "-m", "chkq.workers.reaper", str(self.process.pid)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         except BaseException:
             self.close(abandon=True)
             raise
         return self
+
+    def guard(self, files: JobFiles) -> None:
+        """Remove ``files``' temporaries if the job is cut short, even by SIGKILL of this process.
+
+        An exception or signal runs an abandon hook; a SIGKILL leaves it to the
+        reaper (:mod:`chkq.workers.reaper`), told of the job over its lifeline.
+        """
+        self.on_abandon(lambda: discard_job_files(files))
+        if self.reaper is not None and self.reaper.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.reaper.stdin.write(f"{files.out_dir}\t{files.model}\t{files.job_id}\n"
+                                        .encode())
+                self.reaper.stdin.flush()
+
+    def _release_reaper(self) -> None:
+        """Tell the reaper the command ends normally (its own cleanup ran), and let it go."""
+        reaper, self.reaper = self.reaper, None
+        if reaper is None or reaper.stdin is None:
+            return
+        with contextlib.suppress(OSError):
+            reaper.stdin.write(b"done\n")
+            reaper.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            reaper.wait(5)
 
     def on_abandon(self, hook: Callable[[], Any]) -> None:
         """Run ``hook`` if the cluster is abandoned, after its workers are dead.
@@ -167,6 +200,7 @@ class EmbeddedCluster:
                         hook()
             drop_result_subscriptions()
         finally:
+            self._release_reaper()
             self.broker.close()
             self.log.close()
 
