@@ -84,6 +84,7 @@ sys.path.insert(0, str(BENCH))
 
 from consolidate import MODEL, RssWatch, reset_peaks  # noqa: E402
 from consolidate import RUNS as BASE_RUNS  # noqa: E402
+from consolidate import Cluster as BaseCluster  # noqa: E402
 
 from chkq.demo import RunShape, make_run  # noqa: E402
 
@@ -198,48 +199,13 @@ def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
 
 # --------------------------------------------------------------------------- the cluster
 
-class Cluster:
+class Cluster(BaseCluster):
     """A private redis-server and ``chkq worker -c N`` (the command), logging to a file."""
 
-    def __init__(self, workers: int, log_dir: Path) -> None:
-        from chkq.workers.broker import PrivateRedis
+    START_SECONDS = 90
 
-        self.workers = workers
-        self.redis = PrivateRedis()
-        self.log_path = log_dir / "worker.log"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.env: dict[str, str] = {}
-
-    def __enter__(self) -> Cluster:
-        from chkq.config.celery_app import app, use_broker
-
-        self.redis.start()
-        self.env = {**os.environ, "CHKQ_BROKER_URL": self.redis.url}
-        self.env.pop("CHKQ_RESULT_BACKEND", None)
-        os.environ["CHKQ_BROKER_URL"] = self.redis.url
-        os.environ.pop("CHKQ_RESULT_BACKEND", None)
-        use_broker(app, self.redis.url)
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [CHKQ, "worker", "-c", str(self.workers), "-n",
-                 f"bench-{uuid.uuid4().hex[:6]}@%h"],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 90
-        while len(self.pool_pids()) < self.workers or not app.control.ping(timeout=0.5):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("worker did not start: " + self.log_path.read_text()[-2000:])
-            time.sleep(0.2)
-        return self
-
-    def pool_pids(self) -> list[int]:
-        import psutil
-
-        if self.process is None:
-            return []
-        try:
-            return [c.pid for c in psutil.Process(self.process.pid).children()]
-        except psutil.NoSuchProcess:
-            return []
+    def worker_command(self) -> list[str]:
+        return [CHKQ, "worker", "-c", str(self.workers), "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"]
 
     def all_pids(self) -> list[int]:
         """The worker's main and pool processes, and redis-server."""
@@ -262,16 +228,6 @@ class Cluster:
             return sum(int(v.get("calls", 0)) for v in client.info("commandstats").values())
         finally:
             client.close()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.redis.close()
 
 
 def process_cpu(pids: list[int]) -> float:

@@ -152,7 +152,10 @@ def serial_consolidation(files: list[Path], output: Path, block_bytes: int = BLO
 # --------------------------------------------------------------------------- the cluster
 
 class Cluster:
-    """A private redis-server and one celery worker with ``workers`` pool processes."""
+    """A private redis-server and one chkq worker with ``workers`` pool processes."""
+
+    #: Seconds the worker gets to start and answer ping.
+    START_SECONDS = 60
 
     def __init__(self, workers: int, log_dir: Path) -> None:
         from chkq.workers.broker import PrivateRedis
@@ -161,23 +164,29 @@ class Cluster:
         self.redis = PrivateRedis()
         self.log_path = log_dir / "worker.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.env: dict[str, str] = {}
 
-    def __enter__(self) -> Cluster:
-        from chkq.config.celery_app import app, use_broker
+    def worker_command(self) -> list[str]:
+        """How the worker is started (the embedded cluster's own command line)."""
         from chkq.config.routing import QUEUES
         from chkq.workers.embedded import worker_command
 
+        return worker_command(self.workers, list(QUEUES), f"bench-{uuid.uuid4().hex[:6]}@%h")
+
+    def __enter__(self) -> Cluster:
+        from chkq.config.celery_app import app, use_broker
+
         self.redis.start()
         os.environ["CHKQ_BROKER_URL"] = self.redis.url
-        os.environ["CHKQ_RESULT_BACKEND"] = self.redis.url
+        os.environ.pop("CHKQ_RESULT_BACKEND", None)
         use_broker(app, self.redis.url)
-        env = {**os.environ}
+        self.env = {**os.environ}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                worker_command(self.workers, list(QUEUES), f"bench-{uuid.uuid4().hex[:6]}@%h"),
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                self.worker_command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + self.START_SECONDS
         while len(self.pool_pids()) < self.workers or not app.control.ping(timeout=0.5):
             if self.process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("worker did not start: " + self.log_path.read_text()[-2000:])
