@@ -59,11 +59,17 @@ def first_difference(expected: np.ndarray, actual: np.ndarray) -> int | None:
 
 
 def _element_bytes(value: object) -> bytes:
+    """An element's value as bytes, through compound fields and arrays of objects."""
     if isinstance(value, str):
         return value.encode("utf-8", "surrogateescape")
     if isinstance(value, bytes):
         return value
-    return np.asarray(value).tobytes()
+    if isinstance(value, np.void) and value.dtype.names:
+        return b"\x1f".join(_element_bytes(value[f]) for f in value.dtype.names)
+    array = np.asarray(value)
+    if array.dtype.hasobject:
+        return b"\x1e".join(_element_bytes(x) for x in array.reshape(-1))
+    return array.tobytes()
 
 
 class OutputWindow:

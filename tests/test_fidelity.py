@@ -306,3 +306,17 @@ def test_plugin_filters_through_hdf5plugin(tmp_path: Path, filter_options: dict)
         assert o["x"].id.get_create_plist().get_filter(0)[0] == filter_options["compression"]
         assert np.array_equal(o["x"][:], np.concatenate([np.arange(1000.0),
                                                          np.arange(1000.0) * 2]))
+
+
+def test_extensible_compound_rows_holding_variable_length_strings(tmp_path: Path) -> None:
+    row = np.dtype([("a", "<i4"), ("s", h5py.string_dtype())])
+
+    def build(f: h5py.File, n: int) -> None:
+        ds = f.create_dataset("rows", shape=(2,), maxshape=(None,), chunks=(2,), dtype=row)
+        ds[0], ds[1] = (n, f"hello{n}"), (n + 1, "x" * n)
+
+    make_run(tmp_path, build)
+    out = consolidate_here(tmp_path, "run")
+    with h5py.File(out) as o:
+        assert [(int(a), s.decode()) for a, s in o["rows"][:]] == [
+            (1, "hello1"), (2, "x"), (2, "hello2"), (3, "xx")]
