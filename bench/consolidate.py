@@ -174,12 +174,15 @@ class Cluster:
         return worker_command(self.workers, list(QUEUES), f"bench-{uuid.uuid4().hex[:6]}@%h")
 
     def __enter__(self) -> Cluster:
-        from chkq.config.celery_app import app, use_broker
+        from chkq.config.celery_app import make_app, use_app
+        from chkq.config.settings import Settings
 
         self.redis.start()
         os.environ["CHKQ_BROKER_URL"] = self.redis.url
         os.environ.pop("CHKQ_RESULT_BACKEND", None)
-        use_broker(app, self.redis.url)
+        settings = Settings.from_env()
+        app = make_app(settings)
+        use_app(app, settings)
         self.env = {**os.environ}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(

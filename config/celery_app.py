@@ -1,9 +1,14 @@
-"""The Celery application and its configuration.
+"""The Celery application: its configuration, a factory, and this process's app.
 
-As in cookiecutter-django's ``config/celery_app.py``: one app object,
-configured from :mod:`chkq.config.settings`, that workers, Flower and clients
-import as ``chkq.config.celery_app:app``.  Broker and backend default to the
-embedded cluster's URL when the caller has set ``CHKQ_BROKER_URL`` for it.
+As in cookiecutter-django's ``config/celery_app.py``, workers, Flower and
+clients name the app ``chkq.config.celery_app:app``. Importing this module
+reads nothing and builds nothing: :func:`make_app` builds an app from the
+settings it is given, and this process's app (:func:`get_app`, also the
+module attribute ``app``) is built on first use from the settings read once
+from the environment (:func:`get_settings`, the attribute ``settings``). The
+embedded cluster and the tests build an app of their own for their private
+broker and make it this process's app with :func:`use_app`, instead of
+rewiring a live one.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from typing import Any
 from celery import Celery, Task
 from celery.exceptions import InvalidTaskError
 from celery.worker.consumer import Consumer
-from kombu import pools as kombu_pools
 from kombu.exceptions import ContentDisallowed, DecodeError
 from kombu.serialization import prepare_accept_content
 from kombu.utils.encoding import safe_repr
@@ -193,23 +197,56 @@ def make_app(settings: Settings | None = None) -> Celery:
     return celery
 
 
-def use_broker(celery: Celery, url: str) -> None:
-    """Point ``celery`` (broker and backend) at ``url``, e.g. an embedded broker.
+_settings: Settings | None = None
+_app: Celery | None = None
 
-    Connections and producers to the previous broker are closed, including
-    kombu's process-wide producer pools, which are keyed by broker URL and
-    would otherwise hand back a closed pool when an earlier URL is used again.
+
+def get_settings() -> Settings:
+    """This process's settings, read from the ``CHKQ_*`` environment on first use."""
+    global _settings  # noqa: PLW0603 - the process's one settings object, made once
+    if _settings is None:
+        _settings = Settings.from_env()
+    return _settings
+
+
+def get_app() -> Celery:
+    """This process's chkq app: built from :func:`get_settings` on first use."""
+    global _app  # noqa: PLW0603 - the process's one app, made once (or swapped by use_app)
+    if _app is None:
+        _app = make_app(get_settings())
+    return _app
+
+
+def use_app(celery: Celery | None, settings: Settings | None = None) -> Celery | None:
+    """Make ``celery`` this process's app (None: the next use builds one); return the previous.
+
+    For the embedded cluster and the tests, which build an app for a broker
+    of their own with :func:`make_app`. Code resolves the app when it runs
+    (``get_app()``), so everything after the call uses ``celery``. With
+    ``settings``, they become this process's settings too.
     """
-    celery.conf.broker_url = url
-    celery.conf.result_backend = url
-    celery._backend_cache = None
-    celery._local.__dict__.pop("backend", None)
-    if celery._pool is not None:
-        celery._pool.force_close_all()
-        celery._pool = None
-    celery.amqp._producer_pool = None
-    kombu_pools.reset()
+    global _app, _settings  # noqa: PLW0603
+    previous, _app = _app, celery
+    if settings is not None:
+        _settings = settings
+    if celery is not None:
+        celery.set_current()
+    return previous
 
 
-settings = Settings.from_env()
-app = make_app(settings)
+def close_app(celery: Celery) -> None:
+    """Close ``celery``'s own connections (its broker is going away); other apps keep theirs.
+
+    (kombu's process-wide producer pools are keyed by connection: resetting
+    them would close the pools of every other app of the process too.)
+    """
+    celery.close()
+
+
+def __getattr__(name: str) -> Any:
+    """``app`` and ``settings`` are this process's, made when first asked for (PEP 562)."""
+    if name == "app":
+        return get_app()
+    if name == "settings":
+        return get_settings()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore, Retry
 
-from chkq.config.celery_app import settings
+from chkq.config.celery_app import get_settings
 from chkq.errors import (  # noqa: F401 (re-exported)
     ChkqError,
     JobInterruptedError,
@@ -52,8 +52,8 @@ class ChkqTask(Task):
             return
         key = deliveries_key(task_id, self.request.retries or 0)
         count = client.incr(key)
-        client.expire(key, settings.result_expires)
-        if count > settings.max_redeliveries:
+        client.expire(key, get_settings().result_expires)
+        if count > get_settings().max_redeliveries:
             raise PoisonMessageError(
                 f"task {self.name}[{task_id}] was delivered {count} times without "
                 f"finishing (its worker died each time); giving up"

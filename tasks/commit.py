@@ -31,7 +31,7 @@ from chkq.commits import (
     check_relative_name,
     commit_bytes,
 )
-from chkq.config.celery_app import app, settings
+from chkq.config.celery_app import get_app, get_settings
 from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
@@ -98,7 +98,7 @@ def checkpoint_source(path: Any) -> Path:
         raise ValueError(f"commit path {path!r} contains a NUL byte")
     if not Path(path).is_absolute():
         raise ValueError(f"commit path {path!r} must be absolute (shared storage)")
-    return resolve_allowed(path, settings.allowed_roots)
+    return resolve_allowed(path, get_settings().allowed_roots)
 
 
 def read_checkpoint(path: Path) -> bytes:
@@ -138,7 +138,7 @@ def read_checkpoint(path: Path) -> bytes:
     return data
 
 
-@app.task(
+@get_app().task(
     name="chkq.commit",
     bind=True,
     base=ChkqTask,
@@ -187,7 +187,7 @@ def commit(
         meta["model"] = model
     location = parse_store_url(store_url)
     if location.local_root is not None:
-        resolve_allowed(location.local_root, settings.allowed_roots)
+        resolve_allowed(location.local_root, get_settings().allowed_roots)
     source = checkpoint_source(path)
     log = CheckpointLog(location.open(), run)
     with Timer("chkq.commit", run, store=log.store.url, source=str(source)) as timer:

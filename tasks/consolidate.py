@@ -35,7 +35,7 @@ from celery import chord, group
 from celery.exceptions import Ignore, TaskRevokedError
 
 from chkq.access import check_allowed
-from chkq.config.celery_app import app, settings
+from chkq.config.celery_app import get_app, get_settings
 from chkq.copy_rows import copy_unit
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.errors import UnprovenJobError  # noqa: F401 (re-exported)
@@ -72,7 +72,7 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     """
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
         raise ValueError(f"output directory {out_dir!r} must be an absolute path")
-    check_allowed(out_dir, settings.allowed_roots)
+    check_allowed(out_dir, get_settings().allowed_roots)
     directory = check_out_dir(os.path.realpath(out_dir))
     return directory, check_model_name(model), check_job_id(job)
 
@@ -184,7 +184,7 @@ def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return what
 
 
-@app.task(name="chkq.plan", bind=True, base=ChkqTask)
+@get_app().task(name="chkq.plan", bind=True, base=ChkqTask)
 @job_step
 def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
              cleanup: bool = False) -> dict[str, Any]:
@@ -194,8 +194,8 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     plan = protocol.recorded_plan(job)
     if plan is None:
         plan = protocol.store_plan(prepare(
-            out_dir, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
-            task_bytes=settings.task_bytes, task_files=settings.task_files,
+            out_dir, model, job, cleanup=cleanup, block_bytes=get_settings().block_bytes,
+            task_bytes=get_settings().task_bytes, task_files=get_settings().task_files,
         ))
     launch_copies(plan)
     return {
@@ -210,7 +210,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     }
 
 
-@app.task(name="chkq.copy", bind=True, base=ChkqTask)
+@get_app().task(name="chkq.copy", bind=True, base=ChkqTask)
 @job_step
 def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
          **what: Any) -> dict[str, Any]:
@@ -226,7 +226,7 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
 
 
-@app.task(name="chkq.merge", bind=True, base=ChkqTask)
+@get_app().task(name="chkq.merge", bind=True, base=ChkqTask)
 @job_step
 def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     """Move part files into the output, make it durable, record it, launch verification."""
@@ -244,7 +244,7 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     return {"bytes": moved}
 
 
-@app.task(name="chkq.verify", bind=True, base=ChkqTask)
+@get_app().task(name="chkq.verify", bind=True, base=ChkqTask)
 @job_step
 def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
            **what: Any) -> dict[str, Any]:
@@ -285,7 +285,7 @@ def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
 
-@app.task(name="chkq.link", bind=True, base=ChkqTask)
+@get_app().task(name="chkq.link", bind=True, base=ChkqTask)
 @job_step
 def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     """Publish the verified output (create-if-absent) and clean up — only if proven.
@@ -340,7 +340,7 @@ def explained(cause: BaseException, job: str) -> BaseException:
     return cause
 
 
-@app.task(name="chkq.fail", base=ChkqTask)
+@get_app().task(name="chkq.fail", base=ChkqTask)
 def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: str,
          job: str) -> None:
     """Errback of every step: remove the job's temporaries, record the root cause.
@@ -374,4 +374,4 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     protocol.forget_progress(job)
     log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job, model,
                 task, cause, len(removed))
-    app.backend.mark_as_failure(job, cause)
+    get_app().backend.mark_as_failure(job, cause)

@@ -40,7 +40,7 @@ from celery import signature
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app, settings
+from chkq.config.celery_app import get_app, get_settings
 from chkq.naming import check_job_id
 from chkq.plan import Plan
 from chkq.stamps import FileStamp
@@ -80,13 +80,13 @@ def task_id(job: str, step: str, unit: int | None = None) -> str:
 
 def fail_signature(out_dir: str, model: str, job: str) -> Any:
     """The errback every step of a job carries: ``chkq.fail`` with the job's arguments."""
-    return signature("chkq.fail", args=(out_dir, model, job), app=app)
+    return signature("chkq.fail", args=(out_dir, model, job), app=get_app())
 
 
 def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
     """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
     return signature(
-        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=app
+        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=get_app()
     ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job)])
 
 
@@ -106,7 +106,7 @@ def failing_task(exc: BaseException, task: str | None) -> tuple[str | None, Base
         words = str(exc).split()
         if len(words) < 2 or words[0] != "Dependency":
             break
-        inner = AsyncResult(words[1], app=app).result
+        inner = AsyncResult(words[1], app=get_app()).result
         if not isinstance(inner, BaseException):
             break
         task, exc, seen = words[1], inner, seen + 1
@@ -118,14 +118,14 @@ def _key(job: str, what: str) -> str:
 
 
 def _client() -> Any:
-    return app.backend.client
+    return get_app().backend.client
 
 
 def store_plan(plan: Plan) -> Plan:
     """Record ``plan`` as its job's plan unless one is recorded; return the recorded one."""
     client = _client()
     if client.set(_key(plan.job_id, "plan"), plan.to_json(), nx=True,
-                  ex=settings.result_expires):
+                  ex=get_settings().result_expires):
         return plan
     recorded = recorded_plan(plan.job_id)
     assert recorded is not None
@@ -195,7 +195,7 @@ def copied(job: str) -> dict[int, Any]:
 def record_merged(plan: Plan) -> None:
     """Record that the output is merged and durable, with its stamp."""
     _client().set(_key(plan.job_id, "merged"), json.dumps(output_stamp(plan)),
-                  ex=settings.result_expires)
+                  ex=get_settings().result_expires)
 
 
 def merged(job: str) -> list[int] | None:
@@ -255,7 +255,7 @@ def record_failed(job: str, task: str | None, exc: BaseException) -> None:
     step = STEPS[-1] if task == job else (task or "").removeprefix(f"{job}-").split("-")[0]
     _client().set(_key(job, "failed"), json.dumps(
         {"task": task, "step": step or "job", "type": type(exc).__name__, "message": str(exc)}),
-        nx=True, ex=settings.result_expires)
+        nx=True, ex=get_settings().result_expires)
 
 
 def failure(job: str) -> dict[str, str] | None:
@@ -273,7 +273,7 @@ def _hset(job: str, what: str, unit: int, value: Any) -> None:
     client = _client()
     key = _key(job, what)
     client.hset(key, str(unit), json.dumps(value))
-    client.expire(key, settings.result_expires)
+    client.expire(key, get_settings().result_expires)
 
 
 def _hgetall(job: str, what: str) -> dict[int, Any]:
@@ -291,7 +291,7 @@ def record_submitted(job: str, model: str, out_dir: str) -> None:
     """Remember a submitted job so that ``chkq status`` can list it."""
     client = _client()
     entry = json.dumps({"job": job, "model": model, "out_dir": out_dir, "submitted": time.time()})
-    client.set(f"chkq-job-{job}", entry, ex=settings.result_expires)
+    client.set(f"chkq-job-{job}", entry, ex=get_settings().result_expires)
     client.lpush(RECENT_JOBS, job)
     client.ltrim(RECENT_JOBS, 0, RECENT_LIMIT - 1)
 
@@ -310,7 +310,7 @@ def recent_jobs(limit: int = 20) -> list[str]:
 
 def record_finished(job: str, result: dict[str, Any]) -> None:
     """Remember that ``job`` linked its output (kept as long as results are)."""
-    _client().set(f"chkq-job-done-{job}", json.dumps(result), ex=settings.result_expires)
+    _client().set(f"chkq-job-done-{job}", json.dumps(result), ex=get_settings().result_expires)
 
 
 def finished_result(job: str) -> dict[str, Any] | None:
@@ -326,7 +326,7 @@ def record_cancelled(job: str, by: str = "chkq cancel") -> dict[str, Any]:
     and stop before touching anything.
     """
     entry = {"job": job, "cancelled": time.time(), "by": by}
-    _client().set(f"chkq-job-cancelled-{job}", json.dumps(entry), ex=settings.result_expires)
+    _client().set(f"chkq-job-cancelled-{job}", json.dumps(entry), ex=get_settings().result_expires)
     return entry
 
 
@@ -423,7 +423,7 @@ def describe_error(exc: Any) -> str:
 
 def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
     """Stored result metadata of ``task_ids`` (None: nothing stored), in one MGET per 1,000."""
-    backend = app.backend
+    backend = get_app().backend
     metas: dict[str, dict[str, Any] | None] = {}
     for start in range(0, len(task_ids), 1000):
         batch = task_ids[start:start + 1000]

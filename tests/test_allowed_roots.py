@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE, CONTROL_QUEUE
 from chkq.demo import RunShape, make_run
 from tests.helpers import snapshot
@@ -29,18 +29,18 @@ def test_tasks_outside_the_allowed_roots_touch_nothing(
     with consumers_paused(worker, CONTROL_QUEUE, COMMIT_QUEUE):
         start_worker("control,commit", concurrency=1,  # type: ignore[operator]
                      env={"CHKQ_ALLOWED_ROOTS": str(allowed)})
-        plan = app.signature("chkq.plan", args=(str(outside), "run", uuid.uuid4().hex),
+        plan = get_app().signature("chkq.plan", args=(str(outside), "run", uuid.uuid4().hex),
                              kwargs={"cleanup": True}).apply_async()
-        escape = app.signature("chkq.plan", args=(str(allowed / ".." / "outside"), "run",
+        escape = get_app().signature("chkq.plan", args=(str(allowed / ".." / "outside"), "run",
                                                   uuid.uuid4().hex)).apply_async()
-        leak = app.signature("chkq.commit", args=(f"file://{allowed / 'store'}", "r1",
+        leak = get_app().signature("chkq.commit", args=(f"file://{allowed / 'store'}", "r1",
                                                   str(outside / "secret.bin"))).apply_async()
-        store = app.signature("chkq.commit", args=(f"file://{outside / 'store'}", "r1",
+        store = get_app().signature("chkq.commit", args=(f"file://{outside / 'store'}", "r1",
                                                    str(allowed / "state.bin"))).apply_async()
         for result in (plan, escape, leak, store):
             with pytest.raises(PermissionError, match="CHKQ_ALLOWED_ROOTS"):
                 result.get(timeout=TIMEOUT)
-        inside = app.signature("chkq.commit", args=(f"file://{allowed / 'store'}", "r1",
+        inside = get_app().signature("chkq.commit", args=(f"file://{allowed / 'store'}", "r1",
                                                     str(allowed / "state.bin"))).apply_async()
         assert inside.get(timeout=TIMEOUT)["full_size"] == len(b"a checkpoint")
     after = snapshot(data)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -33,7 +34,7 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app, use_broker
+from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.routing import COPY_QUEUE, VERIFY_QUEUE
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
@@ -89,7 +90,7 @@ def copying(job: ConsolidationJob, unit: int) -> Callable[[], bool]:
 
 
 def state_of(job: ConsolidationJob, step: str, unit: int | None = None) -> str:
-    return str(AsyncResult(task_id(job.id, step, unit), app=app).state)
+    return str(AsyncResult(task_id(job.id, step, unit), app=get_app()).state)
 
 
 def leftovers(directory: Path) -> list[str]:
@@ -107,11 +108,11 @@ def checkpoints_only(before: dict[str, str], directory: Path) -> None:
 @contextmanager
 def queue_paused(worker: WorkerProcess, queue: str) -> Iterator[None]:
     """``worker`` takes no task from ``queue`` for a while (Celery remote control)."""
-    app.control.cancel_consumer(queue, destination=[worker.name], reply=True)
+    get_app().control.cancel_consumer(queue, destination=[worker.name], reply=True)
     try:
         yield
     finally:
-        app.control.add_consumer(queue, destination=[worker.name], reply=True)
+        get_app().control.add_consumer(queue, destination=[worker.name], reply=True)
 
 
 def flip_byte(path: Path, dataset: str, keep_mtime: bool) -> None:
@@ -136,7 +137,7 @@ def flip_byte(path: Path, dataset: str, keep_mtime: bool) -> None:
 def test_app_sweeps_for_a_dead_workers_messages_steadily() -> None:
     """kombu 5.7 by default hands messages past the visibility timeout back only every
     100 s (10 s ticks, scanning on every 10th); the app scans on every tick."""
-    options = app.conf.broker_transport_options or {}
+    options = get_app().conf.broker_transport_options or {}
     assert options.get("unacked_restore_throttle") == 1
     assert options.get("visibility_timeout") == Settings.from_env().visibility_timeout
 
@@ -155,7 +156,9 @@ class Cluster:
     def start(self) -> Cluster:
         self.redis.start()
         assert self.redis.kind == "redis-server"
-        use_broker(app, self.redis.url)
+        self.app = make_app(replace(get_settings(), broker_url=self.redis.url,
+                                    result_backend=self.redis.url))
+        self.previous = use_app(self.app)
         return self
 
     def add_workers(self, count: int, queues: str = "control,copy,verify", concurrency: int = 1,
@@ -180,16 +183,21 @@ class Cluster:
     def running(self, task: str) -> tuple[WorkerProcess, int] | None:
         """The worker, and the pid of its pool process, running task ``task`` now."""
         names = [w.name for w in self.workers if w.process.poll() is None]
-        active = app.control.inspect(destination=names, timeout=1.0).active() or {}
+        active = get_app().control.inspect(destination=names, timeout=1.0).active() or {}
         for worker in self.workers:
             for request in active.get(worker.name, []):
                 if request.get("id") == task:
                     return worker, int(request["worker_pid"])
         return None
 
+    def release(self) -> None:
+        """Make the previous app the process's again (the session's)."""
+        use_app(self.previous)
+
     def close(self) -> None:
         for worker in self.workers:
             worker.kill()
+        close_app(self.app)
         self.redis.close()
 
 
@@ -211,7 +219,8 @@ def make_cluster(redis_server: PrivateRedis, tmp_path: Path) -> Iterator[Callabl
         # Result handles of the test unsubscribe from their Redis when collected:
         # let them do so while it still answers.
         gc.collect()
-        use_broker(app, redis_server.url)
+        for cluster in reversed(clusters):
+            cluster.release()
         for cluster in clusters:
             cluster.close()
 

@@ -24,7 +24,7 @@ import redis
 from celery.result import AsyncResult
 from kombu import Connection, Exchange, Producer
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
 from chkq.naming import JobFiles, discard_job_files
@@ -72,7 +72,7 @@ class Publisher:
     def to_queue(self, queue: str, body: bytes | str, *, headers: dict[str, Any] | None,
                  content_type: str = "application/json",
                  content_encoding: str = "utf-8") -> None:
-        declared = app.amqp.queues[queue]
+        declared = get_app().amqp.queues[queue]
         self.producer.publish(
             body, exchange=declared.exchange, routing_key=declared.routing_key,
             declare=[declared], serializer=None, content_type=content_type,
@@ -228,12 +228,12 @@ def test_hostile_messages_on_every_queue_leave_worker_and_files_alone(
 
     assert not marker.exists(), "a pickle was unpickled"
     assert worker.process.poll() is None, f"worker died:\n{worker.log()[-3000:]}"
-    assert app.control.ping(destination=[worker.name], timeout=5), "worker does not answer ping"
+    assert get_app().control.ping(destination=[worker.name], timeout=5), "no answer to ping"
     assert snapshot(outside) == before_outside
     assert snapshot(run) == before_run, "a hostile task changed the run directory"
     # Every hostile chkq task failed on its arguments, before touching a file.
     for task_id in publisher.task_ids:
-        result = AsyncResult(task_id, app=app)
+        result = AsyncResult(task_id, app=get_app())
         assert result.state == "FAILURE", (task_id, result.state, result.result)
         assert isinstance(result.result, TypeError | ValueError | OSError), result.result
     log = worker.log()

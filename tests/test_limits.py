@@ -26,7 +26,7 @@ from celery.result import AsyncResult
 from celery.worker.request import create_request_cls
 from kombu import Message
 
-from chkq.config.celery_app import app, make_app
+from chkq.config.celery_app import get_app, make_app
 from chkq.config.limits import CONF_KEY, WorkerLimitsRequest, clamp_limits
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.config.settings import Settings
@@ -136,10 +136,10 @@ def test_pool_gets_the_worker_limits() -> None:
 
 def test_every_task_has_the_clamping_request() -> None:
     """chkq's tasks, chkq.fail and Celery's built-in tasks all cap a message's limits."""
-    app.loader.import_default_modules()
-    app.finalize()
-    assert app.conf[CONF_KEY] == (Settings().time_limit, Settings().soft_time_limit)
-    for name, task in app.tasks.items():
+    get_app().loader.import_default_modules()
+    get_app().finalize()
+    assert get_app().conf[CONF_KEY] == (Settings().time_limit, Settings().soft_time_limit)
+    for name, task in get_app().tasks.items():
         assert task.Request == "chkq.config.limits:WorkerLimitsRequest", name
 
 
@@ -152,11 +152,11 @@ def test_client_sends_no_limits(limits_db: tuple[str, Celery]) -> None:
     Sent as ``chkq.workers.commits`` does, through the app that registers the
     tasks (a task's class attributes become the message's options).
     """
-    import chkq.tasks.commit  # noqa: F401 - registers chkq.commit with ``app``
+    import chkq.tasks.commit  # noqa: F401 - registers chkq.commit with the process's app
 
     url, _ = limits_db
-    with app.connection_for_write(url) as connection:
-        app.signature("chkq.commit", args=("memory://", "run", "/nowhere")).apply_async(
+    with get_app().connection_for_write(url) as connection:
+        get_app().signature("chkq.commit", args=("memory://", "run", "/nowhere")).apply_async(
             connection=connection)
     raw = redis.Redis.from_url(url).lpop(COMMIT_QUEUE)
     assert isinstance(raw, bytes)

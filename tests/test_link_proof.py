@@ -14,7 +14,7 @@ import h5py
 import pytest
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE, VERIFY_QUEUE
 from chkq.demo import RunShape, make_run
 from chkq.tasks import protocol
@@ -26,7 +26,7 @@ TIMEOUT = 120
 
 
 def forge_link(out_dir: Path, job: str) -> None:
-    app.signature("chkq.link", args=(str(out_dir), "run", job)).set(task_id=job).apply_async()
+    get_app().signature("chkq.link", args=(str(out_dir), "run", job)).set(task_id=job).apply_async()
 
 
 def test_early_link_publishes_nothing_and_deletes_nothing(tmp_path: Path,
@@ -67,7 +67,7 @@ def test_link_after_failed_verification_publishes_nothing(tmp_path: Path,
     forge_link(tmp_path, job.id)
     time.sleep(2)
     assert snapshot(tmp_path) == before
-    assert AsyncResult(job.id, app=app).state == "FAILURE"
+    assert AsyncResult(job.id, app=get_app()).state == "FAILURE"
 
 
 def test_link_of_an_output_changed_after_verification_fails(tmp_path: Path,
@@ -80,7 +80,7 @@ def test_link_of_an_output_changed_after_verification_fails(tmp_path: Path,
         wait_for(lambda: protocol.merged(job.id) is not None, what="merge")
         plan = protocol.recorded_plan(job.id)
         assert plan is not None
-        app.control.cancel_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
+        get_app().control.cancel_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
     try:
         wait_for(lambda: len(protocol.verified(job.id)) == protocol.verify_unit_count(plan),
                  what="verification")
@@ -88,7 +88,7 @@ def test_link_of_an_output_changed_after_verification_fails(tmp_path: Path,
             fh.seek(plan.datasets[0].chunk_offsets[0])
             fh.write(b"\x01" * 8)
     finally:
-        app.control.add_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
+        get_app().control.add_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
     with pytest.raises(RuntimeError, match="changed after it was merged"):
         job.wait_for_output(timeout=TIMEOUT)
     assert snapshot(tmp_path) == before

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
@@ -81,7 +81,7 @@ def test_concurrent_committers_leave_one_record_each_and_no_orphans(
 def test_commit_refuses_a_relative_or_missing_path(tmp_path: Path, worker: WorkerProcess
                                                    ) -> None:
     url = f"file://{tmp_path / 'store'}"
-    result = app.signature("chkq.commit", args=(url, "r1", "relative/file.bin")).apply_async()
+    result = get_app().signature("chkq.commit", args=(url, "r1", "relative/file.bin")).apply_async()
     with pytest.raises(ValueError, match="must be absolute"):
         result.get(timeout=TIMEOUT)
     with pytest.raises(FileNotFoundError, match="does not exist"):

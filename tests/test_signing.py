@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from cryptography.x509.oid import NameOID
 from kombu import Connection, Producer
 
-from chkq.config.celery_app import app, make_app
+from chkq.config.celery_app import get_app, make_app
 from chkq.config.routing import COMMIT_QUEUE, QUEUES
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
@@ -233,7 +233,7 @@ def _hostile_commits(url: str, secrets: Secrets, store_url: str, source: Path
     messages["pickled"] = (_repack(pickled, content_type="application/x-python-serialize",
                                    content_encoding="binary"), "application/data")
     messages["garbage"] = ("not base64 at all \x00\x01", "application/data")
-    queue = app.amqp.queues[COMMIT_QUEUE]
+    queue = get_app().amqp.queues[COMMIT_QUEUE]
     with Connection(url) as connection:
         producer = Producer(connection.channel())
         for n, (run, (body, content_type)) in enumerate(messages.items()):

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
@@ -54,12 +54,12 @@ def send_commit(*args: Any, **kwargs: Any) -> AsyncResult:
     (``send_task`` sends it as it is, whether or not this process has imported
     the task: no client-side argument check stands in for the worker's.)
     """
-    return app.send_task("chkq.commit", args=args, kwargs=kwargs)
+    return get_app().send_task("chkq.commit", args=args, kwargs=kwargs)
 
 
 def assert_alive(worker: WorkerProcess) -> None:
     assert worker.process.poll() is None, f"worker died:\n{worker.log()[-3000:]}"
-    assert app.control.ping(destination=[worker.name], timeout=5), "worker does not answer ping"
+    assert get_app().control.ping(destination=[worker.name], timeout=5), "no answer to ping"
 
 
 def layout(tmp_path: Path) -> tuple[Path, Path, Path]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app
+from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE, COPY_QUEUE
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
@@ -35,7 +35,7 @@ def submit(run: Path, cleanup: bool = True) -> str:
 
 def outcome(job: str) -> BaseException | str:
     try:
-        return str(AsyncResult(job, app=app).get(timeout=TIMEOUT))
+        return str(AsyncResult(job, app=get_app()).get(timeout=TIMEOUT))
     except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
         return exc
 

@@ -172,11 +172,11 @@ def _job_fate(job: ConsolidationJob) -> str:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from chkq.config.celery_app import settings
+    from chkq.config.celery_app import get_settings
     from chkq.workers.client import run_consolidation, submit_consolidation
 
     if args.no_wait:
-        if not settings.broker_url:
+        if not get_settings().broker_url:
             raise ValueError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
         print(submit_consolidation(args.model, args.out_dir, args.cleanup).id)
         return 0
@@ -189,7 +189,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
             on_submitted=submitted.append)
     except Interrupted as exc:
         line.close()
-        if settings.broker_url and submitted:
+        if get_settings().broker_url and submitted:
             say(f"error: interrupted; {_job_fate(submitted[0])}")
             exc.reported = True
         raise
@@ -254,7 +254,7 @@ def install_log_filter() -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from chkq.config.celery_app import app
+    from chkq.config.celery_app import get_app
     from chkq.config.routing import resolve_queues
 
     queues = resolve_queues(args.queues)
@@ -269,7 +269,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         argv.append("--without-mingle")
     install_log_filter()
     no_private_tempdir()
-    app.worker_main(argv=argv)
+    get_app().worker_main(argv=argv)
     return 0
 
 

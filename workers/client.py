@@ -32,7 +32,7 @@ from kombu.exceptions import OperationalError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from chkq.config.celery_app import app, settings
+from chkq.config.celery_app import get_app, get_settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.errors import JobCancelledError, JobLostError  # noqa: F401 (re-exported)
 from chkq.naming import JobFiles, discard_job_files
@@ -278,7 +278,7 @@ class ConsolidationJob(AsyncResult):
 
 def served_queues(timeout: float = INSPECT_SECONDS) -> set[str]:
     """Names of the queues that live workers consume from (a broadcast; waits ``timeout``)."""
-    replies = app.control.inspect(timeout=timeout).active_queues() or {}
+    replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
     return {str(q.get("name")) for queues in replies.values() for q in queues or []
             if isinstance(q, dict)}
 
@@ -385,7 +385,7 @@ def submit_consolidation(
     submitted = time.monotonic()
     record_submitted(job, model, str(directory))
     consolidation_signature(str(directory), model, job, cleanup).apply_async()
-    handle = ConsolidationJob(job, app=app)
+    handle = ConsolidationJob(job, app=get_app())
     handle.files = JobFiles(directory, model, job)
     handle.submitted_at = submitted
     return handle
@@ -408,7 +408,7 @@ def run_consolidation(
     """
     from chkq.workers.embedded import EmbeddedCluster, drop_result_subscriptions
 
-    if settings.broker_url:
+    if get_settings().broker_url:
         job = submit_consolidation(model_name, out_dir, cleanup)
         if on_submitted is not None:
             on_submitted(job)

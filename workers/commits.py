@@ -15,7 +15,7 @@ from typing import Any
 
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app, settings
+from chkq.config.celery_app import get_app, get_settings
 from chkq.log import CheckpointRecord, validate_run_id
 from chkq.stores.url import parse_store_url
 
@@ -55,7 +55,7 @@ def submit_commit(
         "parent": parent, "parent_head": parent_head, "step": step, "label": label,
         "name": name, "model": model, "expect_id": expect_id,
     }
-    return app.signature("chkq.commit", args=(store_url, run, str(source)),
+    return get_app().signature("chkq.commit", args=(store_url, run, str(source)),
                          kwargs=kwargs).apply_async()
 
 
@@ -86,7 +86,7 @@ def submit_commit_chain(
         source = Path(path).absolute()
         ident = file_id(source)
         step = None if first_step is None else first_step + index
-        steps.append(app.signature(
+        steps.append(get_app().signature(
             "chkq.commit", args=(store_url, run, str(source)),
             kwargs={"parent": parent, "step": step, "name": source.name, "model": model,
                     "expect_id": ident},
@@ -107,7 +107,7 @@ def commit_checkpoint(
     timeout: float | None = None, **options: Any,
 ) -> CheckpointRecord:
     """Commit a checkpoint file through the cluster (or an embedded one) and wait."""
-    if settings.broker_url:
+    if get_settings().broker_url:
         return record_of(submit_commit(store_url, run, path, **options).get(timeout=timeout))
     from chkq.workers.embedded import EmbeddedCluster
 

@@ -34,11 +34,13 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import IO, Any
 
+from celery import Celery
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import app, use_broker
+from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.routing import QUEUES
 from chkq.naming import JobFiles, discard_job_files
 from chkq.workers.broker import PrivateRedis, die_with_parent
@@ -69,7 +71,7 @@ def drop_result_subscriptions() -> None:
     gone, or at interpreter shutdown: the unsubscription would then fail
     noisily at exit (``Exception ignored in: AsyncResult.__del__``).
     """
-    consumer = getattr(app.backend, "result_consumer", None)
+    consumer = getattr(get_app().backend, "result_consumer", None)
     if consumer is None:
         return
     consumer.subscribed_to.clear()
@@ -90,11 +92,16 @@ class EmbeddedCluster:
         self.process: subprocess.Popen[bytes] | None = None
         self.reaper: subprocess.Popen[bytes] | None = None
         self._abandon_hooks: list[Callable[[], Any]] = []
+        self.app: Celery | None = None
+        self._previous_app: Celery | None = None
 
     def __enter__(self) -> EmbeddedCluster:
         try:
             self.broker.start()
-            use_broker(app, self.broker.url)
+            # An app of its own for the private broker; the process's settings otherwise.
+            self.app = make_app(replace(get_settings(), broker_url=self.broker.url,
+                                        result_backend=self.broker.url))
+            self._previous_app = use_app(self.app)
             env = {**os.environ, "CHKQ_BROKER_URL": self.broker.url,
                    "CHKQ_RESULT_BACKEND": self.broker.url}
             name = f"embedded-{uuid.uuid4().hex[:8]}@%h"
@@ -201,6 +208,10 @@ class EmbeddedCluster:
             drop_result_subscriptions()
         finally:
             self._release_reaper()
+            if self.app is not None:
+                use_app(self._previous_app)
+                close_app(self.app)
+                self.app = None
             self.broker.close()
             self.log.close()
 

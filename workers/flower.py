@@ -87,9 +87,9 @@ def run_flower(address: str, port: int) -> int:
     auth = check_listen(address)
     if auth is not None:
         os.environ["FLOWER_BASIC_AUTH"] = auth
-    from chkq.config.celery_app import app
+    from chkq.config.celery_app import get_app
 
-    app.start(argv=flower_argv(address, port))
+    get_app().start(argv=flower_argv(address, port))
     return 0
 
 
@@ -102,7 +102,7 @@ def register(sub: Any) -> None:
     """Add ``chkq flower [--port P] [--address A]`` to the ``chkq`` command line."""
     p = sub.add_parser(
         "flower", help="start Flower, the web monitor (basic auth required beyond loopback)",
-        description="Start Flower on the chkq app. It listens on 127.0.0.1 unless --address "
+        description="Start Flower on the chkq get_app(). It listens on 127.0.0.1 unless --address "
         f"says otherwise; any other address needs {AUTH_VARIABLE}=user:password. "
         "/metrics serves Prometheus metrics.")
     p.add_argument("--port", type=int, default=5555, help="TCP port (default: 5555)")

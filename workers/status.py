@@ -156,10 +156,10 @@ def recent_statuses(limit: int) -> list[JobStatus]:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """``chkq status [JOB]``."""
-    from chkq.config.celery_app import settings
+    from chkq.config.celery_app import get_settings
     from chkq.tasks.protocol import job_status, resolve_job
 
-    if not settings.broker_url:
+    if not get_settings().broker_url:
         raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
@@ -210,10 +210,10 @@ def purge_queued(job: str) -> int:
     """
     import redis
 
-    from chkq.config.celery_app import app
+    from chkq.config.celery_app import get_app
     from chkq.config.routing import QUEUES
 
-    client = redis.Redis.from_url(app.conf.broker_url)
+    client = redis.Redis.from_url(get_app().conf.broker_url)
     removed = 0
     try:
         for queue in QUEUES:
@@ -235,9 +235,9 @@ def purge_queued(job: str) -> int:
 
 def _running_tasks(job: str) -> list[str]:
     """Ids of the job's tasks that live workers are running or hold reserved."""
-    from chkq.config.celery_app import app
+    from chkq.config.celery_app import get_app
 
-    inspect = app.control.inspect(timeout=1.0)
+    inspect = get_app().control.inspect(timeout=1.0)
     found = []
     for replies in (inspect.active() or {}, inspect.reserved() or {}):
         for tasks in replies.values():
@@ -259,7 +259,7 @@ def cancel_job(job: str) -> str:
     ValueError
         The job already finished or failed: there is nothing to cancel.
     """
-    from chkq.config.celery_app import app
+    from chkq.config.celery_app import get_app
     from chkq.naming import JobFiles, discard_job_files
     from chkq.tasks.protocol import job_status, record_cancelled
 
@@ -280,7 +280,7 @@ def cancel_job(job: str) -> str:
         ids = [i for i in job_task_ids(job, current.plan) if i not in revoked]
         purged += purge_queued(job)
         if ids:
-            app.control.revoke(ids, terminate=True, signal="SIGTERM")
+            get_app().control.revoke(ids, terminate=True, signal="SIGTERM")
             revoked.update(ids)
         running = set(_running_tasks(job)) | {
             u.task_id for units in current.steps.values() for u in units
@@ -289,7 +289,7 @@ def cancel_job(job: str) -> str:
         if (not running and not ids) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    app.backend.mark_as_revoked(job, reason="cancelled")
+    get_app().backend.mark_as_revoked(job, reason="cancelled")
     removed: list[Path] = []
     where = ""
     if status.out_dir and status.model:
@@ -304,10 +304,10 @@ def cancel_job(job: str) -> str:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """``chkq cancel JOB``."""
-    from chkq.config.celery_app import settings
+    from chkq.config.celery_app import get_settings
     from chkq.tasks.protocol import resolve_job
 
-    if not settings.broker_url:
+    if not get_settings().broker_url:
         raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
                          "embedded cluster ends with its command)")
     print(cancel_job(resolve_job(args.job)))

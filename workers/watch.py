@@ -19,7 +19,7 @@ from typing import Any
 
 from celery.result import AsyncResult
 
-from chkq.config.celery_app import settings
+from chkq.config.celery_app import get_settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
@@ -40,7 +40,7 @@ def pid_alive(pid: int) -> bool:
 @contextlib.contextmanager
 def cluster_for(workers: int | None) -> Iterator[Any]:
     """The configured cluster, or an embedded one for the length of the watch."""
-    if settings.broker_url:
+    if get_settings().broker_url:
         yield None
         return
     from chkq.workers.embedded import EmbeddedCluster

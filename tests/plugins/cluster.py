@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from chkq.config.celery_app import app, use_broker
+from chkq.config.celery_app import close_app, get_app, make_app, use_app
+from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.embedded import drop_result_subscriptions
 
@@ -31,9 +32,12 @@ def redis_server() -> Iterator[PrivateRedis]:
         assert server.kind == "redis-server", "the tests need redis-server on PATH"
         os.environ["CHKQ_BROKER_URL"] = server.url
         os.environ["CHKQ_RESULT_BACKEND"] = server.url
-        use_broker(app, server.url)
+        settings = Settings.from_env()
+        session_app = make_app(settings)
+        use_app(session_app, settings)
         yield server
         drop_result_subscriptions()
+        close_app(session_app)
 
 
 class WorkerProcess:
@@ -59,7 +63,7 @@ class WorkerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"worker exited: {self.log_path.read_text()[-2000:]}")
-            replies = app.control.ping(destination=[self.name], timeout=0.5)
+            replies = get_app().control.ping(destination=[self.name], timeout=0.5)
             if replies:
                 return
         raise RuntimeError(f"worker {self.name} did not answer ping within {timeout} s")
@@ -118,9 +122,9 @@ def start_worker(redis_server: PrivateRedis, tmp_path: Path) -> Iterator[object]
 def consumers_paused(worker: WorkerProcess, *queues: str) -> Iterator[None]:
     """``worker`` stops taking tasks from ``queues`` for a while (Celery remote control)."""
     for queue in queues:
-        app.control.cancel_consumer(queue, destination=[worker.name], reply=True)
+        get_app().control.cancel_consumer(queue, destination=[worker.name], reply=True)
     try:
         yield
     finally:
         for queue in queues:
-            app.control.add_consumer(queue, destination=[worker.name], reply=True)
+            get_app().control.add_consumer(queue, destination=[worker.name], reply=True)

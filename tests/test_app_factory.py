@@ -1,0 +1,34 @@
+"""The app factory: importing chkq reads no setting and builds no app; apps are built and used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from chkq.config.celery_app import get_app, make_app, use_app
+from chkq.config.settings import Settings
+
+
+def test_importing_reads_nothing_and_builds_nothing() -> None:
+    """With a setting that cannot be read, every layer still imports; the app is made on use."""
+    env = {**os.environ, "CHKQ_BLOCK_BYTES": "-5"}
+    program = ("import chkq.config.celery_app as c, chkq.tasks.protocol, chkq.workers.client, "
+               "chkq.workers.status\n"
+               "assert c._app is None and c._settings is None\n"
+               "try:\n    c.app\nexcept ValueError as exc:\n    print('on use:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("on use: CHKQ_BLOCK_BYTES must be positive")
+
+
+def test_an_app_of_ones_own_is_used_and_the_previous_one_comes_back() -> None:
+    own = make_app(Settings(broker_url="redis://127.0.0.1:1/0"))
+    previous = use_app(own)
+    try:
+        assert get_app() is own
+        assert get_app().conf.broker_url == "redis://127.0.0.1:1/0"
+    finally:
+        use_app(previous)
+    assert get_app() is not own
