@@ -164,8 +164,9 @@ def commit(
 ) -> dict[str, Any]:
     """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
-    ``name`` is the file's name relative to its run directory, kept in the
-    record's meta so that ``chkq log restore`` can put it back; ``expect_id``
+    ``name`` is the file's name relative to its run directory, kept (with
+    ``model``) in a name entry of its own so that ``chkq log restore`` can put
+    it back under every name it was committed as; ``expect_id``
     (the SHA-256 the watcher saw) guards against a file changed since.
     Every argument is checked (types, ids, the resolved store directory and
     file against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written;
