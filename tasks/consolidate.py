@@ -275,7 +275,7 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
-    reference = plan.files.index(next(f for f in plan.files if f[0] == plan.reference_file))
+    reference = next(i for i, f in enumerate(plan.files) if f[0] == plan.reference_file)
     check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
     check_output(plan.job.temp, Path(plan.reference_file),
                  rows={d.name: d.total for d in plan.datasets},
@@ -300,13 +300,15 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     if done is not None:
         return done
     plan = protocol.load_plan(job, out_dir, model)
-    gaps = protocol.proof_gaps(plan)
-    if any("did not finish" in gap for gap in gaps):
-        log.warning("job=%s link refused, nothing published: %s", job, "; ".join(gaps))
+    proof = protocol.prove(plan)
+    if proof.unfinished:
+        log.warning("job=%s link refused, nothing published: %s", job,
+                    "; ".join(proof.unfinished + proof.contradicted))
         raise Ignore()
     try:
-        if gaps:
-            raise UnprovenJobError(f"job {job} was not published: " + "; ".join(gaps))
+        if proof.contradicted:
+            raise UnprovenJobError(f"job {job} was not published: "
+                                   + "; ".join(proof.contradicted))
         output = link_output(plan)
     except BaseException:
         # Celery makes this step's failure visible before its errback runs: clean up first,

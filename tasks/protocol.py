@@ -15,7 +15,7 @@ key                              what
 ``chkq-job-done-JOB``            the result once the output was linked
 ===============================  =============================================
 
-``chkq.link`` publishes only when :func:`proof_gaps` finds nothing missing:
+``chkq.link`` publishes only when :func:`prove` finds nothing missing:
 the plan exists for this directory and model, every copy unit and the
 merge are recorded, and every verify unit (the whole-output check
 included) verified the output *as it is now* (inode, size, mtime, ctime).
@@ -219,32 +219,50 @@ def verify_unit_count(plan: Plan) -> int:
     return len(plan.verify_units) + 1
 
 
-def proof_gaps(plan: Plan) -> list[str]:
-    """What the job's records lack for its output to be published (empty: proven)."""
+@dataclass
+class Proof:
+    """What a job's records lack for its output to be published, and what contradicts them.
+
+    ``unfinished`` names the steps not recorded (an early, forged or replayed
+    link sees these); ``contradicted`` what is recorded but no longer true
+    of the output. The output is proven when both are empty.
+    """
+
+    unfinished: list[str] = field(default_factory=list)
+    contradicted: list[str] = field(default_factory=list)
+
+    @property
+    def proven(self) -> bool:
+        return not (self.unfinished or self.contradicted)
+
+
+def prove(plan: Plan) -> Proof:
+    """Check the job's records against each other and against its output as it is now."""
     job = plan.job_id
-    gaps = []
+    proof = Proof()
     done = copied(job)
     missing = [u for u in range(len(plan.copy_units)) if u not in done]
     if missing:
-        gaps.append(f"copy units {missing[:5]} did not finish")
+        proof.unfinished.append(f"copy units {missing[:5]} did not finish")
     merged_stamp = merged(job)
     if merged_stamp is None:
-        gaps.append("the merge did not finish")
+        proof.unfinished.append("the merge did not finish")
     checks = verified(job)
     try:
         now = output_stamp(plan)
     except FileNotFoundError:
-        return [*gaps, "the temporary output is gone"]
+        proof.contradicted.append("the temporary output is gone")
+        return proof
     if now[3] != plan.temp_inode:
-        gaps.append("the temporary output is not the file the job planned")
+        proof.contradicted.append("the temporary output is not the file the job planned")
     if merged_stamp is not None and merged_stamp != now:
-        gaps.append("the output changed after it was merged")
+        proof.contradicted.append("the output changed after it was merged")
     for unit in range(verify_unit_count(plan)):
         if unit not in checks:
-            gaps.append(f"verify unit {unit} did not finish")
+            proof.unfinished.append(f"verify unit {unit} did not finish")
         elif checks[unit] != now:
-            gaps.append(f"verify unit {unit} checked another version of the output")
-    return gaps
+            proof.contradicted.append(f"verify unit {unit} checked another version of the output")
+    return proof
 
 
 def record_failed(job: str, task: str | None, exc: BaseException) -> None:
