@@ -175,13 +175,6 @@ def reserve_space(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def _row_bytes(reference: Path, rows: dict[str, int]) -> dict[str, int]:
-    """Bytes of one row of each extensible dataset (of the file type)."""
-    with h5py.File(reference, "r") as template:
-        return {name: template[name].id.get_type().get_size()
-                * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
-
-
 def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
     """``(offset, size)`` of every stored chunk of a chunked dataset."""
     ranges: list[tuple[int, int]] = []
@@ -287,9 +280,11 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
         has_references = _holds_references(template) if raw else False
         recreated = {name for name in raw if _recreatable(template[name], has_references)}
         skip = [r for name in recreated for r in _stored_ranges(template[name].id)]
+        row_bytes = {name: template[name].id.get_type().get_size()
+                     * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
     inode = copy_template(reference, temp, skip)
-    reserve_space(temp, os.stat(reference).st_size + sum(
-        rows[name] * row_bytes for name, row_bytes in _row_bytes(reference, rows).items()))
+    reserve_space(temp, os.stat(reference).st_size
+                  + sum(total * row_bytes[name] for name, total in rows.items()))
     layout: dict[str, list[int]] = {}
     with h5py.File(temp, "r+") as out:
         if os.fstat(out.id.get_vfd_handle()).st_ino != inode:
