@@ -135,21 +135,10 @@ class RawWriter:
 
     def _write_full_width(self, d: DatasetPlan, first_row: int, rows: np.ndarray) -> None:
         """Chunks span whole rows: write runs of rows in contiguous chunks at once."""
-        per_chunk = d.chunk[0]
-        raw = as_bytes(rows)
-        n, i = len(rows), 0
-        while i < n:
-            row = first_row + i
-            k, within = divmod(row, per_chunk)
-            offset = d.chunk_offsets[k] + within * d.row_bytes
-            take = min(n - i, per_chunk - within)
-            while i + take < n:
-                k_next = (row + take) // per_chunk
-                if d.chunk_offsets[k_next] != offset + take * d.row_bytes:
-                    break
-                take += min(n - i - take, per_chunk)
-            self._pwrite(raw[i * d.row_bytes:(i + take) * d.row_bytes], offset)
-            i += take
+        raw, done = as_bytes(rows), 0
+        for offset, count in output_runs(d, first_row, len(rows)):
+            self._pwrite(raw[done:done + count], offset)
+            done += count
 
     def _write_tiled(self, d: DatasetPlan, first_row: int, rows: np.ndarray) -> None:
         """Chunks tile the trailing dimensions too: write each chunk's slab of rows."""

@@ -61,13 +61,17 @@ def check_same(path: str | Path, expected: FileStamp, st: os.stat_result, why: s
         raise CheckpointChangedError(f"file {str(path)!r} {why}")
 
 
+def _disappeared(path: str | Path, job: str) -> CheckpointChangedError:
+    return CheckpointChangedError(
+        f"checkpoint file {str(path)!r} disappeared while job {job} was running")
+
+
 def check_unchanged(path: str | Path, expected: FileStamp, job: str) -> None:
     """Raise CheckpointChangedError unless ``path`` (not followed) still has ``expected``."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise CheckpointChangedError(
-            f"checkpoint file {str(path)!r} disappeared while job {job} was running") from None
+        raise _disappeared(path, job) from None
     check_same(path, expected, st, f"changed while job {job} was running")
 
 
@@ -79,8 +83,7 @@ def open_unchanged(path: str | Path, expected: FileStamp, job: str) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CheckpointChangedError(
-            f"checkpoint file {str(path)!r} disappeared while job {job} was running") from None
+        raise _disappeared(path, job) from None
     except OSError as exc:
         raise CheckpointChangedError(
             f"checkpoint file {str(path)!r} cannot be opened as it was planned ({exc})") from None
