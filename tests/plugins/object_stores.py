@@ -216,26 +216,40 @@ class FaultProxy:
         for sock in sockets:
             _shut(sock)
 
+    def _is_down(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down_until
+
+    def _refuse(self, client: socket.socket) -> None:
+        """Reset the connection (RST), as a host that is down would."""
+        self.refused += 1
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+        client.close()
+
     def _accept(self) -> None:
         while not self._closed:
             try:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            with self._lock:
-                down = time.monotonic() < self._down_until
-            if down:
-                self.refused += 1
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                client.close()
+            if self._is_down():
+                self._refuse(client)
                 continue
             try:
                 upstream = socket.create_connection(self._upstream)
             except OSError:
                 client.close()
                 continue
+            # Checked again, with registration under the same lock: a connection accepted
+            # just before go_down() would otherwise escape both the refusal and the cut.
             with self._lock:
-                self._sockets.update((client, upstream))
+                down = time.monotonic() < self._down_until
+                if not down:
+                    self._sockets.update((client, upstream))
+            if down:
+                upstream.close()
+                self._refuse(client)
+                continue
             state = {"lose": False}
             threading.Thread(
                 target=self._client_to_server, args=(client, upstream, state), daemon=True
@@ -363,6 +377,16 @@ class BlackHole:
         self._held: list[socket.socket] = []
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def _is_down(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down_until
+
+    def _refuse(self, client: socket.socket) -> None:
+        """Reset the connection (RST), as a host that is down would."""
+        self.refused += 1
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
+        client.close()
 
     def _accept(self) -> None:
         while not self._closed:
