@@ -1,0 +1,81 @@
+"""Chunks encoded with ISA-L are read back by HDF5 (and by plain zlib) as the rows written."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from chkq.deflate_chunks import ChunkEncoder
+from chkq.driver import consolidate_here
+from tests.test_fidelity import make_run
+
+ROW = np.dtype([("id", "<u8"), ("x", ">f4"), ("flag", "u1")])
+
+
+@pytest.mark.parametrize("dtype", ["<f8", ">i2", "u1", ROW])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("level", [1, 4, 9])
+def test_hdf5_reads_encoded_chunks_as_the_rows(tmp_path: Path, dtype: object, shuffle: bool,
+                                               level: int) -> None:
+    rng = np.random.default_rng(level)
+    rows = rng.integers(0, 200, size=(3 * 64, 5)).astype(dtype) if dtype != ROW else \
+        np.array([(i, i / 3, i % 7) for i in range(3 * 64 * 5)], dtype=ROW).reshape(-1, 5)
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        ds = f.create_dataset("x", shape=rows.shape, maxshape=(None, 5), chunks=(64, 5),
+                              dtype=rows.dtype, compression="gzip", compression_opts=level,
+                              shuffle=shuffle)
+        encoder = ChunkEncoder.for_dataset(ds.id)
+        assert encoder is not None
+        for first in range(0, len(rows), 64):
+            ds.id.write_direct_chunk((first, 0), encoder.encode(rows[first:first + 64]))
+    with h5py.File(tmp_path / "f.h5", "r") as f:
+        assert f["x"][:].tobytes() == rows.tobytes()
+        _, stored = f["x"].id.read_direct_chunk((64, 0))
+    plain = np.frombuffer(zlib.decompress(stored), dtype=np.uint8)
+    size = rows.dtype.itemsize
+    if shuffle and size > 1:
+        plain = plain.reshape(size, -1).T.reshape(-1)
+    assert plain.tobytes() == rows[64:128].tobytes()
+
+
+@pytest.mark.parametrize("options", [
+    {"compression": "gzip", "fletcher32": True},
+    {"compression": "gzip", "compression_opts": 0},
+    {"compression": "lzf"},
+    {"compression": "gzip", "chunks": (64, 2)},
+    {"chunks": (64, 5)},
+])
+def test_other_pipelines_are_left_to_hdf5(tmp_path: Path, options: dict) -> None:
+    with h5py.File(tmp_path / "f.h5", "w") as f:
+        ds = f.create_dataset("x", shape=(128, 5), maxshape=(None, 5), dtype="<f8",
+                              **{"chunks": (64, 5), **options})
+        assert ChunkEncoder.for_dataset(ds.id) is None
+
+
+@pytest.mark.parametrize("options", [
+    {"compression": "gzip", "compression_opts": 4, "shuffle": True},
+    {"compression": "gzip", "compression_opts": 9},
+    {"compression": "gzip", "shuffle": True, "fletcher32": True},
+])
+def test_consolidated_gzip_output_has_the_template_pipeline_and_every_row(
+        tmp_path: Path, options: dict) -> None:
+    """Files of 1,000 rows on 256-row chunks: no file boundary falls on the chunk grid."""
+
+    def build(f: h5py.File, n: int) -> None:
+        rows = np.arange(1000 * 6, dtype="<f8").reshape(1000, 6) + 1e6 * n
+        f.create_dataset("spec", data=rows, maxshape=(None, 6), chunks=(256, 6), **options)
+
+    make_run(tmp_path, build, checkpoints=3)
+    out = consolidate_here(tmp_path, "run", block_bytes=256 * 48 * 3, task_bytes=256 * 48 * 4)
+    expected = np.concatenate([np.arange(6000.0).reshape(1000, 6) + 1e6 * n for n in (1, 2, 3)])
+    with h5py.File(out) as o, h5py.File(tmp_path / "run_chk00003.h5") as t:
+        got, template = o["spec"], t["spec"]
+        assert got[:].tobytes() == expected.tobytes()
+        out_plist, template_plist = got.id.get_create_plist(), template.id.get_create_plist()
+        assert [out_plist.get_filter(i) for i in range(out_plist.get_nfilters())] == \
+            [template_plist.get_filter(i) for i in range(template_plist.get_nfilters())]
+        assert got.chunks == template.chunks and got.maxshape == template.maxshape
