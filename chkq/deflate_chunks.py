@@ -72,7 +72,7 @@ class ChunkEncoder:
 
     def encode(self, rows: np.ndarray) -> bytes:
         """The stored bytes of a whole chunk holding ``rows`` (C-contiguous)."""
-        raw = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+        raw: np.ndarray = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
         count = raw.size // self.element_size
         if self.shuffle and self.element_size > 1 and count > 1:
             raw = raw.reshape(count, self.element_size).T.copy()
