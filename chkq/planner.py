@@ -9,7 +9,9 @@ planning step reuse it (see ``chkq.tasks.protocol``).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from h5py import h5d, h5f, h5o, h5t
 
@@ -24,7 +26,7 @@ from chkq.plan import (
     offsets_of,
 )
 from chkq.skeleton import create_skeleton, dataset_mode
-from chkq.stamps import stamp_of
+from chkq.stamps import FileStamp, check_same, stamp_of
 from chkq.structure import (
     FileScan,
     check_same_structure,
@@ -89,27 +91,154 @@ def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
     h5o.visit(fid, visit, info=True)
 
 
-def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
-    """Find the run's checkpoints and scan every file, refusing a bad run.
+#: Files per scan unit when a run's files are scanned by several tasks at once.
+SCAN_FILES = 256
+
+
+@dataclass
+class ScannedFile:
+    """A checkpoint file as planning saw it: its stamp (taken first), then its skeleton."""
+
+    scan: FileScan
+    stamp: FileStamp
+
+
+def find_run(directory: Path, model: str) -> list[Checkpoint]:
+    """The run's checkpoints, each holding at least one file.
 
     Raises
     ------
     FileNotFoundError
         If the run has no checkpoints.
     ValueError
-        If a file is incomplete, unreadable, not HDF5, or differs in
-        structure, or a checkpoint directory holds no ``.h5`` file.
+        If a checkpoint directory holds no ``.h5`` file.
     """
-    checkpoints = find_checkpoints(out_dir, model)
+    checkpoints = find_checkpoints(directory, model)
     if not checkpoints:
         raise FileNotFoundError(
-            f"no checkpoints of model {model!r} in {str(out_dir)!r} "
+            f"no checkpoints of model {model!r} in {str(directory)!r} "
             f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)"
         )
     for checkpoint in checkpoints:
         if not checkpoint.files:
             raise ValueError(f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
-    scans = [scan_file(path) for checkpoint in checkpoints for path in checkpoint.files]
+    return checkpoints
+
+
+def scan_units(count: int) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[first, stop)`` of a run's ``count`` files, one per scan unit."""
+    return [(first, min(count, first + SCAN_FILES)) for first in range(0, count, SCAN_FILES)]
+
+
+def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
+    """A scan unit's result as JSON-ready data, for the job's records.
+
+    Each distinct skeleton is written once; each file then gives its path,
+    the index of its skeleton, its extensible datasets' row counts (in the
+    skeleton's order) and its stamp: about 200 bytes a file.
+    """
+    skeletons: list[dict[str, str]] = []
+    files: list[list[Any]] = []
+    for s in scanned:
+        if s.scan.objects not in skeletons:
+            skeletons.append(s.scan.objects)
+        files.append([str(s.scan.path), skeletons.index(s.scan.objects),
+                      list(s.scan.rows.values()), s.stamp.as_list()])
+    return {"skeletons": skeletons, "files": files}
+
+
+def scans_from_record(record: Any) -> list[ScannedFile]:
+    """The scans :func:`scans_to_record` wrote.
+
+    Raises
+    ------
+    ValueError
+        If the record is malformed.
+    """
+    try:
+        skeletons = [{str(k): str(v) for k, v in objects.items()}
+                     for objects in record["skeletons"]]
+        scanned = []
+        for path, index, rows, stamp in record["files"]:
+            objects = skeletons[index]
+            names = [n for n, kind in objects.items() if kind.startswith("extensible ")]
+            if len(rows) != len(names) or not all(type(r) is int for r in rows):
+                raise ValueError("row counts do not match the skeleton")
+            scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)))
+            scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
+    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed scan record: {exc}") from None
+    return scanned
+
+
+def checkpoints_to_record(checkpoints: list[Checkpoint]) -> list[list[Any]]:
+    """The run's checkpoints as JSON-ready data: number, path and files of each."""
+    return [[c.number, str(c.path), [str(f) for f in c.files]] for c in checkpoints]
+
+
+def checkpoints_from_record(record: Any) -> list[Checkpoint]:
+    """The checkpoints :func:`checkpoints_to_record` wrote (ValueError if malformed)."""
+    try:
+        return [Checkpoint(int(number), Path(path), tuple(Path(f) for f in files))
+                for number, path, files in record]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed checkpoint record: {exc}") from None
+
+
+def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
+    """The job's file names in a checked directory, refusing an existing output.
+
+    Raises
+    ------
+    FileExistsError
+        If ``OUT_DIR/MODEL.h5`` exists.
+    ValueError
+        If the directory or the model name is bad.
+    """
+    job = JobFiles(check_out_dir(out_dir), check_model_name(model), job_id)
+    if os.path.lexists(job.output):
+        raise FileExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
+    return job
+
+
+def run_files(checkpoints: list[Checkpoint]) -> list[Path]:
+    """Every file of the run, in row order."""
+    return [path for checkpoint in checkpoints for path in checkpoint.files]
+
+
+def scan_files(paths: list[Path]) -> list[ScannedFile]:
+    """Stamp and scan each file; the stamp is checked again after the scan.
+
+    A file that changed while it was scanned is refused, so the rows the
+    scan counted belong to the version every later open is checked against.
+
+    Raises
+    ------
+    ValueError
+        If a file is incomplete, unreadable, not HDF5, or a symbolic link.
+    CheckpointChangedError
+        If a file changed while it was scanned.
+    """
+    scanned = []
+    for path in paths:
+        stamp = stamp_of(path)
+        scan = scan_file(path)
+        check_same(path, stamp, os.lstat(path), "changed while it was being planned")
+        scanned.append(ScannedFile(scan, stamp))
+    return scanned
+
+
+def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
+    """Find the run's checkpoints and scan every file here, refusing a bad run.
+
+    Raises
+    ------
+    FileNotFoundError, ValueError
+        As :func:`find_run`, or if a file is incomplete, unreadable, not
+        HDF5, or differs in structure.
+    """
+    checkpoints = find_run(out_dir, model)
+    scans = [scan_file(path) for path in run_files(checkpoints)]
     check_same_structure(scans)
     return checkpoints, scans
 
@@ -123,8 +252,13 @@ def prepare(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     task_bytes: int = DEFAULT_BLOCK_BYTES,
     task_files: int = 64,
+    run: tuple[list[Checkpoint], list[ScannedFile]] | None = None,
 ) -> Plan:
     """Check the run, create the output skeleton under a temporary name, return the plan.
+
+    ``run`` is the run's checkpoints and their files' scans when other
+    processes scanned them (:func:`scan_files` on slices of
+    :func:`run_files`); without it, the run is found and scanned here.
 
     Raises
     ------
@@ -136,12 +270,16 @@ def prepare(
         A file is incomplete, unreadable, not HDF5, differs in structure, is
         a symbolic link, or holds something chkq cannot copy exactly.
     """
-    directory = check_out_dir(out_dir)
-    job = JobFiles(directory, check_model_name(model), job_id)
-    if os.path.lexists(job.output):
-        raise FileExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
-    checkpoints, scans = discover_and_scan(directory, model)
-    stamps = [stamp_of(scan.path) for scan in scans]
+    job = job_files(out_dir, model, job_id)
+    if run is None:
+        checkpoints = find_run(job.out_dir, model)
+        scanned = scan_files(run_files(checkpoints))
+    else:
+        checkpoints, scanned = run
+        if [s.scan.path for s in scanned] != run_files(checkpoints):
+            raise ValueError(f"the scans of job {job_id} do not match its checkpoint files")
+    scans = [s.scan for s in scanned]
+    check_same_structure(scans)
     reference = checkpoints[-1].files[0]
     names = scans[0].extensible
     datasets = describe_template(reference, names, {n: offsets_of(n, scans) for n in names})
@@ -153,7 +291,7 @@ def prepare(
     )
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
-    files = [[str(scan.path), *stamp.as_list()] for scan, stamp in zip(scans, stamps, strict=True)]
+    files = [[str(s.scan.path), *s.stamp.as_list()] for s in scanned]
     file_sizes = [
         sum((d.offsets[f + 1] - d.offsets[f]) * d.row_bytes for d in datasets)
         for f in range(len(files))
@@ -161,7 +299,7 @@ def prepare(
     return Plan(
         job_id=job_id,
         model=model,
-        out_dir=str(directory),
+        out_dir=str(job.out_dir),
         cleanup=cleanup,
         block_bytes=block_bytes,
         checkpoints=[[c.number, str(c.path), c.path.is_dir()] for c in checkpoints],

@@ -20,6 +20,7 @@ SHORT_NAMES: dict[str, str] = {name.removeprefix("chkq."): name for name in QUEU
 
 TASK_ROUTES: dict[str, dict[str, str]] = {
     "chkq.plan": {"queue": CONTROL_QUEUE},
+    "chkq.scan": {"queue": CONTROL_QUEUE},
     "chkq.merge": {"queue": CONTROL_QUEUE},
     "chkq.link": {"queue": CONTROL_QUEUE},
     "chkq.fail": {"queue": CONTROL_QUEUE},

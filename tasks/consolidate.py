@@ -37,14 +37,27 @@ from celery.exceptions import Ignore, TaskRevokedError
 from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.copy_rows import copy_unit
-from chkq.discovery import check_model_name, check_out_dir
+from chkq.discovery import Checkpoint, check_model_name, check_out_dir
 from chkq.errors import UnprovenJobError  # noqa: F401 (re-exported)
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
 from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
 from chkq.output_check import check_output
 from chkq.plan import Plan
-from chkq.planner import prepare
+from chkq.planner import (
+    SCAN_FILES,
+    ScannedFile,
+    checkpoints_from_record,
+    checkpoints_to_record,
+    find_run,
+    job_files,
+    prepare,
+    run_files,
+    scan_files,
+    scan_units,
+    scans_from_record,
+    scans_to_record,
+)
 from chkq.stamps import check_unchanged
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
@@ -103,7 +116,12 @@ def describe_files(plan: Plan, unit: int) -> list[str]:
     if unit == len(plan.verify_units):
         return ["(whole-output check)"]
     first, stop = plan.verify_units[unit]
-    names = [str(Path(plan.files[i][0]).relative_to(plan.out_dir)) for i in range(first, stop)]
+    return _names(plan.out_dir, [Path(plan.files[i][0]) for i in range(first, stop)])
+
+
+def _names(out_dir: str, paths: list[Path]) -> list[str]:
+    """Files named relative to the run directory, for people reading Flower (at most 3)."""
+    names = [str(path.relative_to(out_dir)) for path in paths]
     return names if len(names) <= 4 else [names[0], "...", names[-1]]
 
 
@@ -188,7 +206,12 @@ def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
 @job_step
 def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
              cleanup: bool = False) -> dict[str, Any]:
-    """Check the run, write the skeleton, record the plan, and launch the copies."""
+    """Check the run, write the skeleton, record the plan, and launch the copies.
+
+    A run of more than ``SCAN_FILES`` files is first scanned by scan units
+    in parallel: this step replaces itself with them, and runs again (same
+    id) as their chord's callback.
+    """
     if not isinstance(cleanup, bool):
         raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
     plan = protocol.recorded_plan(job)
@@ -196,6 +219,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
         plan = protocol.store_plan(prepare(
             out_dir, model, job, cleanup=cleanup, block_bytes=get_settings().block_bytes,
             task_bytes=get_settings().task_bytes, task_files=get_settings().task_files,
+            run=_scanned_run(self, out_dir, model, job, cleanup),
         ))
     launch_copies(plan)
     return {
@@ -208,6 +232,54 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
         "copy_units": len(plan.copy_units),
         "verify_units": protocol.verify_unit_count(plan),
     }
+
+
+def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
+                 cleanup: bool) -> tuple[list[Checkpoint], list[ScannedFile]] | None:
+    """The run's checkpoints and every file's scan, as the scan units recorded them.
+
+    None for a run small enough to scan in the planning step itself. For a
+    larger run not yet scanned, the planning step is replaced by a chord of
+    scan units whose callback is the planning step again.
+    """
+    recorded = protocol.recorded_run(job, out_dir, model)
+    if recorded is None:
+        job_files(out_dir, model, job)
+        checkpoints = find_run(Path(out_dir), model)
+        if len(run_files(checkpoints)) <= SCAN_FILES:
+            return None
+        recorded = protocol.record_run(job, out_dir, model, checkpoints_to_record(checkpoints))
+    checkpoints = checkpoints_from_record(recorded)
+    paths = run_files(checkpoints)
+    units = scan_units(len(paths))
+    records = protocol.scanned(job, len(units))
+    if records is not None:
+        return checkpoints, [s for record in records for s in scans_from_record(record)]
+    if task.request.get("replaced_task_nesting", 0):
+        raise UnprovenJobError(f"job {job} cannot be planned: its scan units finished "
+                               "without recording their scans")
+    scans = [
+        scan.si(out_dir, model, job, i, files=_names(out_dir, paths[first:stop])).set(
+            task_id=task_id(job, "scan", i))
+        for i, (first, stop) in enumerate(units)
+    ]
+    body = plan_job.si(out_dir, model, job, cleanup=cleanup)
+    raise task.replace(chord(group(scans).set(task_id=task_id(job, "scans")), body))
+
+
+@get_app().task(name="chkq.scan", bind=True, base=ChkqTask)
+@job_step
+def scan(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
+         **what: Any) -> dict[str, Any]:
+    """Scan one unit of a large run's files (stamp, skeleton, row counts) and record it."""
+    recorded = protocol.recorded_run(job, out_dir, model)
+    if recorded is None:
+        raise FileNotFoundError(f"consolidation job {job} has no recorded checkpoints to scan")
+    paths = run_files(checkpoints_from_record(recorded))
+    units = scan_units(len(paths))
+    first, stop = units[_checked_unit(unit, len(units), job, "scan")]
+    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop])))
+    return {"files": stop - first}
 
 
 @get_app().task(name="chkq.copy", bind=True, base=ChkqTask)

@@ -182,6 +182,50 @@ def output_stamp(plan: Plan) -> list[int]:
     return FileStamp.of(os.lstat(plan.job.temp)).as_list()
 
 
+def record_run(job: str, out_dir: str, model: str, checkpoints: list[Any]) -> list[Any]:
+    """Record the checkpoints a job's scan units read, unless some are; return the recorded ones.
+
+    ``checkpoints`` is JSON-ready data (``chkq.planner.checkpoints_to_record``).
+    """
+    record = json.dumps({"out_dir": out_dir, "model": model, "checkpoints": checkpoints})
+    _client().set(_key(job, "run"), record, nx=True, ex=get_settings().result_expires)
+    recorded = recorded_run(job, out_dir, model)
+    assert recorded is not None
+    return recorded
+
+
+def recorded_run(job: str, out_dir: str, model: str) -> list[Any] | None:
+    """The checkpoints recorded for ``job``'s scan units (as recorded), or None.
+
+    Raises
+    ------
+    ValueError
+        If the message names another directory or model than the record.
+    """
+    raw = _client().get(_key(job, "run"))
+    if not raw:
+        return None
+    record = json.loads(raw)
+    if record.get("out_dir") != out_dir or record.get("model") != model:
+        raise ValueError(f"the message for job {job} names {out_dir!r}/{model!r}, but the job "
+                         f"consolidates {record.get('out_dir')!r}/{record.get('model')!r}")
+    checkpoints: list[Any] = record.get("checkpoints") or []
+    return checkpoints
+
+
+def record_scanned(job: str, unit: int, record: dict[str, Any]) -> None:
+    """Record what scan unit ``unit`` found in its files (``chkq.planner.scans_to_record``)."""
+    _hset(job, "scanned", unit, record)
+
+
+def scanned(job: str, units: int) -> list[dict[str, Any]] | None:
+    """The records of scan units ``0...units-1``, in order, if all are recorded; else None."""
+    records = _hgetall(job, "scanned")
+    if any(unit not in records for unit in range(units)):
+        return None
+    return [records[unit] for unit in range(units)]
+
+
 def record_copied(job: str, unit: int, result: Any) -> None:
     """Record that copy unit ``unit`` finished, with what verification needs of it."""
     _hset(job, "copied", unit, result)
@@ -284,7 +328,8 @@ def failure(job: str) -> dict[str, str] | None:
 
 def forget_progress(job: str) -> None:
     """Drop a finished or failed job's plan and step records (its result stays)."""
-    _client().delete(*(_key(job, what) for what in ("plan", "copied", "merged", "verified")))
+    _client().delete(*(_key(job, what) for what in ("run", "scanned", "plan", "copied", "merged",
+                                                        "verified")))
 
 
 def _hset(job: str, what: str, unit: int, value: Any) -> None:
