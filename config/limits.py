@@ -9,7 +9,7 @@ whose own ``task_time_limit`` went into every message) could therefore run a
 task for as long as they liked: past the Redis visibility timeout, so that the
 message is delivered again and runs twice at once.
 
-:class:`WorkerLimitsRequest` is the request class of every chkq task (the
+:class:`chkq.config.request.WorkerLimitsRequest` is the request class of every chkq task (the
 app's ``task_cls`` and :class:`chkq.tasks.base.ChkqTask` name it). It caps
 the message's limits at the worker's own (``CHKQ_TIME_LIMIT``,
 ``CHKQ_SOFT_TIME_LIMIT``, kept in the app's configuration under
@@ -25,13 +25,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from celery.worker.request import Request
-
 #: Key of the app configuration that holds the worker's ``(hard, soft)`` limits in seconds.
 CONF_KEY = "chkq_time_limits"
 
 #: Request class path, as Celery's ``Task.Request`` and ``task_cls`` expect it.
-REQUEST_CLASS = "chkq.config.limits:WorkerLimitsRequest"
+REQUEST_CLASS = "chkq.config.request:WorkerLimitsRequest"
 
 
 def _positive(value: Any) -> float | None:
@@ -83,15 +81,3 @@ def worker_limits(conf: Any) -> tuple[float, float]:
             and all(_positive(v) is not None for v in limits)):
         raise RuntimeError(f"the app's configuration has no valid {CONF_KEY!r}: {limits!r}")
     return float(limits[0]), float(limits[1])
-
-
-class WorkerLimitsRequest(Request):
-    """A task request whose time limits are capped at the worker's (module docstring)."""
-
-    def __init__(self, message: Any, *args: Any, **kwargs: Any) -> None:
-        super().__init__(message, *args, **kwargs)
-        asked = self._request_dict.get("timelimit")
-        self.time_limits = clamp_limits(asked, worker_limits(self._app.conf))
-        # The task's context (self.request.timelimit) and its retries see no
-        # limits of the sender's.
-        self._request_dict["timelimit"] = None

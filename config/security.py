@@ -19,7 +19,7 @@ the Redis password keeps such parties off the broker in the first place.
 
 Celery's ``auth`` deserializer decodes the signed bytes with the content type
 named *beside* the signature, outside what is signed, and with ``force=True``
-(no accept list). :class:`StrictSecureSerializer` accepts JSON only there, so
+(no accept list). The serializer of :mod:`chkq.config.auth_serializer` accepts JSON only there, so
 that a signed body can never be fed to another decoder.
 """
 
@@ -27,65 +27,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
-
-from celery import Celery
-from celery.exceptions import SecurityError
-from celery.security.certificate import Certificate, FSCertStore
-from celery.security.key import PrivateKey
-from celery.security.serialization import SecureSerializer
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric import padding
-from kombu.serialization import loads, registry
+from typing import TYPE_CHECKING, Any
 
 from chkq.config.settings import Settings
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 #: The digest the messages are signed with.
 DIGEST = "sha256"
-
-#: Content type of the JSON that a signed message carries, and its encoding.
-_INNER = ("application/json", "utf-8")
-
-
-class StrictSecureSerializer(SecureSerializer):
-    """Celery's signing serializer, refusing signed payloads that are not JSON.
-
-    It also verifies signatures itself: Celery 5.7's ``Certificate.verify``
-    turns a bad signature into ``TypeError('catching classes that do not
-    inherit from BaseException...')`` (its ``reraise_errors`` is given the
-    ``cryptography.exceptions`` module as the exception class). The message
-    is refused either way, but the log should say why.
-    """
-
-    def deserialize(self, data: Any) -> Any:
-        """Verify ``data``'s signature and decode its JSON body.
-
-        Raises
-        ------
-        celery.exceptions.SecurityError
-            If ``data`` is not a signed message, names an inner content type
-            other than JSON, its signer's certificate is not in the store (or
-            expired), or its signature does not verify.
-        """
-        try:
-            payload = self._unpack(data)
-        except Exception as exc:  # noqa: BLE001 - any garbage is a security error here
-            raise SecurityError(f"not a signed message: {exc!r}") from None
-        inner = (payload["content_type"], payload["content_encoding"].lower())
-        if inner != _INNER:
-            raise SecurityError(f"signed message carries {inner[0]!r}, not JSON")
-        certificate = self._cert_store[payload["signer"]]  # SecurityError if unknown
-        if certificate.has_expired():
-            raise SecurityError(f"expired certificate: {certificate.get_id()!r}")
-        try:
-            certificate.get_pubkey().verify(
-                payload["signature"], payload["body"],
-                padding.PSS(mgf=padding.MGF1(self._digest), salt_length=padding.PSS.MAX_LENGTH),
-                self._digest)
-        except InvalidSignature:
-            raise SecurityError(
-                f"bad signature: not signed by the key of {certificate.get_id()!r}") from None
-        return loads(payload["body"], *_INNER, force=True)
 
 
 def signing_config(settings: Settings) -> dict[str, Any]:
@@ -131,6 +81,14 @@ def install_signing(app: Celery, settings: Settings) -> None:
     """
     if not settings.signing:
         return
+    # Loaded only here: cryptography and Celery's signing cost every client ~0.03 s.
+    from celery.exceptions import SecurityError
+    from celery.security.certificate import Certificate, FSCertStore
+    from celery.security.key import PrivateKey
+    from kombu.serialization import registry
+
+    from chkq.config.auth_serializer import StrictSecureSerializer
+
     assert settings.security_key and settings.security_certificate
     assert settings.security_cert_store
     key_pem = _read(settings.security_key, "private key (CHKQ_SECURITY_KEY)")

@@ -15,6 +15,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry
 
 from chkq.config.celery_app import get_settings
+from chkq.config.limits import REQUEST_CLASS
 from chkq.errors import (  # noqa: F401 (re-exported)
     ChkqError,
     JobInterruptedError,
@@ -36,7 +37,7 @@ class ChkqTask(Task):
     """Base class of chkq tasks (see module docstring)."""
 
     abstract = True
-    Request = "chkq.config.limits:WorkerLimitsRequest"  # time limits are the worker's
+    Request = REQUEST_CLASS  # time limits are the worker's
     _last_report = 0.0
 
     def check_deliveries(self) -> None:

@@ -125,8 +125,10 @@ def test_cancel_stops_a_running_job_and_removes_its_temporaries(
         broker: dict[str, str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    # fletcher32 keeps the copy on HDF5's own zlib (chkq.deflate_chunks leaves it alone),
+    # with small blocks: slow enough for the job to be cancelled while it copies.
     make_run(run_dir, "run", RunShape(checkpoints=4, writers=2, trials=3000, spec_columns=256,
-                                      compression="gzip", shuffle=True))
+                                      compression="gzip", shuffle=True, fletcher32=True))
     before = snapshot(run_dir)
     env = {**broker, "CHKQ_BLOCK_BYTES": str(64 * 1024)}
     worker = start_worker(env, tmp_path / "worker.log")

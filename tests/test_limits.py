@@ -27,7 +27,8 @@ from celery.worker.request import create_request_cls
 from kombu import Message
 
 from chkq.config.celery_app import get_app, make_app
-from chkq.config.limits import CONF_KEY, WorkerLimitsRequest, clamp_limits
+from chkq.config.limits import CONF_KEY, clamp_limits
+from chkq.config.request import WorkerLimitsRequest
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
@@ -140,7 +141,7 @@ def test_every_task_has_the_clamping_request() -> None:
     get_app().finalize()
     assert get_app().conf[CONF_KEY] == (Settings().time_limit, Settings().soft_time_limit)
     for name, task in get_app().tasks.items():
-        assert task.Request == "chkq.config.limits:WorkerLimitsRequest", name
+        assert task.Request == "chkq.config.request:WorkerLimitsRequest", name
 
 
 # ------------------------------------------------------------ real processes
