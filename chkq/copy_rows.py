@@ -185,36 +185,19 @@ def output_runs(d: DatasetPlan, first_row: int, count: int) -> Iterator[tuple[in
         i += take
 
 
-def raw_source_ok(dsid: h5d.DatasetID, d: DatasetPlan) -> bool:
-    """Whether a source dataset's chunks hold ``d``'s rows as plain bytes in row order.
-
-    True for a chunked, unfiltered dataset whose chunks span whole rows,
-    with the plan's chunk shape and the output's row size: its rows can then
-    be copied byte for byte from the chunk offsets HDF5 reports, without
-    decoding. (Every source must be checked: only the reference file's
-    properties went into the plan.)
-    """
-    if list(d.chunk[1:]) != list(d.trailing):
-        return False
-    dcpl = dsid.get_create_plist()
-    if dcpl.get_layout() != h5d.CHUNKED or dcpl.get_nfilters() != 0:
-        return False
-    if list(dcpl.get_chunk()) != list(d.chunk):
-        return False
-    return int(dsid.get_type().get_size()) == d.element_size
-
-
 class ChunkCopier:
     """Copies a raw-mode dataset's rows from a source file's chunks into the output's chunks.
 
-    Profiling showed copy tasks spending their time in h5py's per-call
-    overhead (small files) and in moving every row through user memory
-    (big files). Both the source chunks (offsets from HDF5's chunk index)
-    and the output chunks (offsets from the plan) hold rows as plain bytes,
-    so the rows are moved with ``copy_file_range`` (a page-cache copy in the
-    kernel) from one to the other: no decoding, no user-space buffer.
-    The verify tasks read both files back through HDF5, so this path is
-    checked independently of the offsets it used.
+    Profiling showed copy tasks spending their time in HDF5's per-file and
+    per-call overhead (small files) and in moving every row through user
+    memory (big files). Where the planning scan found a source's chunks to
+    hold plain rows (:attr:`chkq.plan.DatasetPlan.source_chunks`), and the
+    output's chunks hold plain rows too, the rows are moved with
+    ``copy_file_range`` (a page-cache copy in the kernel) from one to the
+    other: no HDF5, no decoding, no user-space buffer. The file is the one
+    the scan read (its stamp is checked when it is opened), and the verify
+    tasks read both files back through HDF5, so the offsets are checked
+    independently of this path.
     """
 
     def __init__(self, out_fd: int) -> None:
@@ -222,24 +205,13 @@ class ChunkCopier:
         self.bytes = ByteCopier()
         self.unsynced = 0
 
-    def copy(self, src_fd: int, dsid: h5d.DatasetID, d: DatasetPlan, base: int, start: int,
-             stop: int) -> bool:
-        """Copy source rows ``[start, stop)`` to output rows ``base + start...``.
-
-        Returns False, having copied nothing, when a chunk of the range is
-        not allocated (the caller then reads the rows through HDF5).
-        """
+    def copy(self, src_fd: int, source_chunks: list[int], d: DatasetPlan, base: int,
+             start: int, stop: int) -> None:
+        """Copy source rows ``[start, stop)`` to output rows ``base + start...``."""
         per_chunk, row = d.chunk[0], d.row_bytes
-        trailing_zeros = (0,) * len(d.trailing)
-        pieces = []
         for k in range(start // per_chunk, (stop - 1) // per_chunk + 1):
-            info = dsid.get_chunk_info_by_coord((k * per_chunk, *trailing_zeros))
-            if info.byte_offset is None or info.size != per_chunk * row or info.filter_mask:
-                return False
             lo, hi = max(start, k * per_chunk), min(stop, (k + 1) * per_chunk)
-            pieces.append((info.byte_offset + (lo - k * per_chunk) * row, lo, hi))
-        for source_offset, lo, hi in pieces:
-            done = 0
+            source_offset, done = source_chunks[k] + (lo - k * per_chunk) * row, 0
             for out_offset, count in output_runs(d, base + lo, hi - lo):
                 self.bytes.copy(src_fd, source_offset + done, self.out_fd, out_offset, count)
                 done += count
@@ -247,11 +219,19 @@ class ChunkCopier:
         if self.unsynced >= WRITEBACK_BYTES:
             start_writeback(self.out_fd)
             self.unsynced = 0
-        return True
+
+
+def source_chunks(d: DatasetPlan, file_index: int) -> list[int]:
+    """Where file ``file_index`` keeps ``d``'s rows as plain chunks ([]: read through HDF5)."""
+    return d.source_chunks[file_index] if d.source_chunks else []
 
 
 def copy_unit(plan: Plan, unit_index: int, progress: Progress | None = None) -> CopyStats:
-    """Copy copy-unit ``unit_index`` of ``plan``; redoing it rewrites the same bytes."""
+    """Copy copy-unit ``unit_index`` of ``plan``; redoing it rewrites the same bytes.
+
+    A file whose rows of this unit all lie in plain chunks is not opened
+    through HDF5 at all (:class:`ChunkCopier`).
+    """
     unit = plan.copy_units[unit_index]
     stats = CopyStats()
     segments = segments_by_file(plan, unit)
@@ -262,24 +242,34 @@ def copy_unit(plan: Plan, unit_index: int, progress: Progress | None = None) -> 
         writer = RawWriter(fd)
         chunks = ChunkCopier(fd)
         for file_index, file_segments in segments.items():
-            fid, src_fd = open_source(plan, file_index)
+            plain = all(source_chunks(plan.datasets[seg.dataset], file_index)
+                        for seg in file_segments)
+            if plain:
+                fid = None
+                src_fd = open_unchanged(plan.file_path(file_index), plan.stamp(file_index),
+                                        plan.job_id)
+            else:
+                fid, src_fd = open_source(plan, file_index)
             try:
                 stats.files += 1
                 for seg in file_segments:
                     d = plan.datasets[seg.dataset]
                     base = d.offsets[file_index]
-                    dsid = h5d.open(fid, d.name.encode())
-                    if not (raw_source_ok(dsid, d)
-                            and chunks.copy(src_fd, dsid, d, base, seg.start - base,
-                                            seg.stop - base)):
-                        _copy_through_hdf5(plan, d, dsid, base, seg, writer)
+                    found = source_chunks(d, file_index)
+                    if found:
+                        chunks.copy(src_fd, found, d, base, seg.start - base, seg.stop - base)
+                    else:
+                        assert fid is not None
+                        _copy_through_hdf5(plan, d, h5d.open(fid, d.name.encode()), base, seg,
+                                           writer)
                     stats.rows += seg.stop - seg.start
                     stats.bytes += (seg.stop - seg.start) * d.row_bytes
                     if progress:
                         progress(stats.rows)
             finally:
                 os.close(src_fd)
-                fid.close()
+                if fid is not None:
+                    fid.close()
         start_writeback(fd)
     finally:
         os.close(fd)

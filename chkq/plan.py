@@ -61,6 +61,10 @@ class DatasetPlan:
         The output's chunk shape (the source's).
     chunk_offsets
         Raw mode: file offset of every chunk, in row-major chunk order.
+    source_chunks
+        Raw mode, by file: the file offsets of the source's chunks in row
+        order when they hold plain rows with the output's rows per chunk
+        (``chkq.structure.plain_chunks``), else an empty list.
     """
 
     name: str
@@ -71,6 +75,7 @@ class DatasetPlan:
     trailing: list[int]
     element_size: int
     chunk_offsets: list[int] = field(default_factory=list)
+    source_chunks: list[list[int]] = field(default_factory=list)
 
     @property
     def total(self) -> int:

@@ -135,7 +135,8 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
 
     Each distinct skeleton is written once; each file then gives its path,
     the index of its skeleton, its extensible datasets' row counts (in the
-    skeleton's order) and its stamp: about 200 bytes a file.
+    skeleton's order), its stamp and where plain chunks are: a few hundred
+    bytes a file.
     """
     skeletons: list[dict[str, str]] = []
     files: list[list[Any]] = []
@@ -143,7 +144,8 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
         if s.scan.objects not in skeletons:
             skeletons.append(s.scan.objects)
         files.append([str(s.scan.path), skeletons.index(s.scan.objects),
-                      list(s.scan.rows.values()), s.stamp.as_list()])
+                      list(s.scan.rows.values()), s.stamp.as_list(),
+                      [s.scan.plain_chunks.get(name) for name in s.scan.rows]])
     return {"skeletons": skeletons, "files": files}
 
 
@@ -159,12 +161,14 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
         skeletons = [{str(k): str(v) for k, v in objects.items()}
                      for objects in record["skeletons"]]
         scanned = []
-        for path, index, rows, stamp in record["files"]:
+        for path, index, rows, stamp, chunks in record["files"]:
             objects = skeletons[index]
             names = [n for n, kind in objects.items() if kind.startswith("extensible ")]
             if len(rows) != len(names) or not all(type(r) is int for r in rows):
                 raise ValueError("row counts do not match the skeleton")
-            scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)))
+            plain = {name: [int(x) for x in found]
+                     for name, found in zip(names, chunks, strict=True) if found is not None}
+            scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)), plain)
             scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed scan record: {exc}") from None
@@ -243,6 +247,14 @@ def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list
     return checkpoints, scans
 
 
+def _plain_offsets(scan: FileScan, d: DatasetPlan) -> list[int]:
+    """Offsets of one file's plain chunks of ``d`` if they have the output's chunk rows, else []."""
+    found = scan.plain_chunks.get(d.name)
+    if d.mode != "raw" or not found or found[0] != d.chunk[0]:
+        return []
+    return found[1:]
+
+
 def prepare(
     out_dir: str | Path,
     model: str,
@@ -291,6 +303,7 @@ def prepare(
     )
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
+        d.source_chunks = [_plain_offsets(scan, d) for scan in scans]
     files = [[str(s.scan.path), *s.stamp.as_list()] for s in scanned]
     file_sizes = [
         sum((d.offsets[f + 1] - d.offsets[f]) * d.row_bytes for d in datasets)

@@ -79,3 +79,29 @@ def test_consolidated_gzip_output_has_the_template_pipeline_and_every_row(
         assert [out_plist.get_filter(i) for i in range(out_plist.get_nfilters())] == \
             [template_plist.get_filter(i) for i in range(template_plist.get_nfilters())]
         assert got.chunks == template.chunks and got.maxshape == template.maxshape
+
+
+def test_plain_chunks_written_out_of_order_unallocated_or_of_other_shape(tmp_path: Path) -> None:
+    """Rows copied from the chunk offsets the scan found land in row order, whatever the
+    order HDF5 stored the chunks in; a file with an unstored chunk or another chunk shape
+    is read through HDF5 instead."""
+    expected = []
+
+    def build(f: h5py.File, n: int) -> None:
+        rows = np.arange(300 * 3, dtype="<i8").reshape(300, 3) + 10_000 * n
+        chunks = (100, 3) if n != 2 else (64, 3)
+        ds = f.create_dataset("x", shape=(300, 3), maxshape=(None, 3), chunks=chunks, dtype="<i8",
+                              fillvalue=-1)
+        if n == 3:
+            ds[200:300], ds[0:100] = rows[200:300], rows[0:100]  # chunk 1 never written
+            rows = rows.copy()
+            rows[100:200] = -1
+        else:
+            for first in reversed(range(0, 300, chunks[0])):
+                ds[first:first + chunks[0]] = rows[first:first + chunks[0]]
+        expected.append(rows)
+
+    make_run(tmp_path, build, checkpoints=4)
+    out = consolidate_here(tmp_path, "run")
+    with h5py.File(out) as o:
+        assert o["x"][:].tobytes() == np.concatenate(expected).tobytes()
