@@ -13,6 +13,7 @@ h5py and boto3 only where a command needs them); ``--version`` and
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 import logging
@@ -20,10 +21,11 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from chkq import __version__
 
@@ -428,15 +430,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
-def run() -> Any:
-    """``python -m chkq.workers.cli``: exit with :func:`main`'s status."""
+def run() -> NoReturn:
+    """The ``chkq`` command (and ``python -m chkq.workers.cli``): exit with :func:`main`'s status.
+
+    The process ends as the interpreter would end it (output flushed,
+    non-daemon threads joined, exit handlers run: logging, HDF5 closing
+    its files), but without tearing down every module one by one, which
+    takes about 0.05 s once Celery, kombu and redis are loaded: a tenth of
+    a short command's time.
+    """
     status = main()
     try:
         sys.stdout.flush()
     except BrokenPipeError:
         _quiet_stdout()
         status = 128 + signal.SIGPIPE
-    sys.exit(status)
+    sys.stderr.flush()
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    os._exit(status)
 
 
 if __name__ == "__main__":
