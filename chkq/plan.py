@@ -22,7 +22,7 @@ dataset. Verification runs per file, small files batched up to
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,7 +144,10 @@ class Plan:
         return sum(d.offsets[file_index + 1] - d.offsets[file_index] for d in self.datasets)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        # Shallow dicts: dataclasses.asdict deep-copies every list (0.2 s for 2,000 files).
+        fields = {**vars(self), "datasets": [vars(d) for d in self.datasets],
+                  "copy_units": [vars(u) for u in self.copy_units]}
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

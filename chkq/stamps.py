@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.errors import CheckpointChangedError
@@ -35,7 +35,7 @@ class FileStamp:
         return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
     def as_list(self) -> list[int]:
-        return list(astuple(self))
+        return [self.size, self.mtime_ns, self.ctime_ns, self.inode, self.device]
 
 
 def stamp_of(path: str | Path) -> FileStamp:

@@ -119,16 +119,17 @@ def refuse_outside_storage(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
                          "consolidate external storage")
 
 
-def check_storage(path: Path, name: str, dsid: h5d.DatasetID) -> None:
+def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
+                  tid: h5t.TypeID) -> None:
     """Refuse an extensible dataset chkq cannot copy exactly, or that declares rows it lacks.
 
     Besides data outside the file (:func:`refuse_outside_storage`), a filter
     without a plugin cannot be decoded, and a dataset that declares far more
     rows than its stored bytes could hold would make chkq allocate and copy
     data that does not exist. (Fixed datasets are taken from the template
-    only, which the planner checks.)
+    only, which the planner checks.) ``dcpl`` and ``tid`` are the dataset's
+    creation properties and type.
     """
-    dcpl = dsid.get_create_plist()
     refuse_outside_storage(path, name, dcpl)
     where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
     filtered = dcpl.get_nfilters() > 0
@@ -139,10 +140,10 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID) -> None:
             raise ValueError(f"{where} uses filter {code} ({text or 'unnamed'}), which no "
                              "installed plugin can decode")
     space = dsid.get_space()
-    declared = dsid.get_type().get_size() * element_count(space.shape)
+    declared = tid.get_size() * element_count(space.shape)
     if declared == 0 or dcpl.get_layout() != h5d.CHUNKED:
         return
-    chunk_bytes = dsid.get_type().get_size() * element_count(dcpl.get_chunk())
+    chunk_bytes = tid.get_size() * element_count(dcpl.get_chunk())
     stored = dsid.get_storage_size()
     limit = (stored * MAX_FILTER_RATIO if filtered else stored) + max(chunk_bytes,
                                                                       UNWRITTEN_SLACK)
@@ -151,22 +152,23 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID) -> None:
                          f"stores only {stored} bytes: the file is damaged or forged")
 
 
-def plain_chunks(dsid: h5d.DatasetID) -> list[int] | None:
+def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...],
+                 element_size: int) -> list[int] | None:
     """Rows per chunk, then each chunk's file offset in row order, if chunks hold plain rows.
 
     True of a chunked, unfiltered dataset whose chunks span whole rows and
     are all stored: its rows can then be copied byte for byte from these
     offsets without opening the file through HDF5 (the verify step reads
     them back through HDF5, which checks the offsets). None otherwise.
+    ``dcpl``, ``shape`` and ``element_size`` are the dataset's.
     """
-    dcpl = dsid.get_create_plist()
     if dcpl.get_layout() != h5d.CHUNKED or dcpl.get_nfilters() != 0:
         return None
-    chunk, shape = dcpl.get_chunk(), dsid.shape
+    chunk = dcpl.get_chunk()
     if tuple(chunk[1:]) != tuple(shape[1:]):
         return None
     count = -(-shape[0] // chunk[0])
-    chunk_bytes = dsid.get_type().get_size() * element_count(chunk)
+    chunk_bytes = element_size * element_count(chunk)
     offsets: list[int | None] = [None] * count
     plain = True
 
@@ -230,12 +232,13 @@ def scan_file(path: Path) -> FileScan:
                             "unlimited along another axis than the first: chkq "
                             "concatenates rows along the first axis only")
                     if extensible:
-                        check_storage(path, name, dsid)
+                        dcpl, tid = dsid.get_create_plist(), dsid.get_type()
+                        check_storage(path, name, dsid, dcpl, tid)
                         trailing = tuple(space.shape[1:])
-                        signature = _signature_of(dsid.get_type())
+                        signature = _signature_of(tid)
                         scan.objects[name] = f"extensible {signature} {trailing}"
                         scan.rows[name] = int(space.shape[0])
-                        found = plain_chunks(dsid)
+                        found = plain_chunks(dsid, dcpl, space.shape, tid.get_size())
                         if found is not None:
                             scan.plain_chunks[name] = found
                     else:
