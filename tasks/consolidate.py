@@ -2,8 +2,11 @@
 
 ::
 
-    chkq.plan ──► chord(chkq.copy × units) ──► chkq.merge
+    chkq.plan [──► chord(chkq.scan × file batches) ──► chkq.plan]
+              ──► chord(chkq.copy × units) ──► chkq.merge
               ──► chord(chkq.verify × (file batches + whole-output check)) ──► chkq.link
+
+(The bracket: a run of more than ``SCAN_FILES`` files, scanned in parallel.)
 
 Every task takes only ``out_dir``, ``model``, ``job`` and a unit number (plus
 names for people reading Flower), reads the job's plan from the result
