@@ -28,9 +28,14 @@ PROGRESS = "PROGRESS"
 PROGRESS_INTERVAL = 0.5
 
 
-def deliveries_key(task_id: str, retries: int = 0) -> str:
-    """Redis key (result backend) counting deliveries of one task message."""
-    return f"chkq-deliveries-{task_id}-{retries}"
+def deliveries_key(task_id: str, retries: int = 0, replaced: int = 0) -> str:
+    """Redis key (result backend) counting deliveries of one task message.
+
+    A task that replaced itself (``Task.replace``, as ``chkq.plan`` does for
+    a large run) hands its id on: ``replaced`` (the replacement's nesting)
+    keeps the two messages' counts apart.
+    """
+    return f"chkq-deliveries-{task_id}-{retries}" + (f"-r{replaced}" if replaced else "")
 
 
 class ChkqTask(Task):
@@ -51,7 +56,8 @@ class ChkqTask(Task):
         task_id = self.request.id
         if client is None or task_id is None:
             return
-        key = deliveries_key(task_id, self.request.retries or 0)
+        key = deliveries_key(task_id, self.request.retries or 0,
+                             self.request.get("replaced_task_nesting") or 0)
         count = client.incr(key)
         client.expire(key, get_settings().result_expires)
         if count > get_settings().max_redeliveries:

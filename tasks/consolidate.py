@@ -30,6 +30,7 @@ import contextlib
 import functools
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -270,15 +271,32 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
     raise task.replace(chord(group(scans).set(task_id=task_id(job, "scans")), body))
 
 
+#: The files of the runs this process scanned last, by job: a run of 20,000 files has a
+#: list of a megabyte and a half, which every one of its scan units would parse again.
+_RUN_FILES: OrderedDict[str, tuple[str, str, list[Path]]] = OrderedDict()
+RUN_FILES_CACHE = 4
+
+
+def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
+    """The files recorded for ``job``'s scan units (FileNotFoundError if none)."""
+    cached = _RUN_FILES.get(job)
+    if cached is None or cached[:2] != (out_dir, model):
+        recorded = protocol.recorded_run(job, out_dir, model)
+        if recorded is None:
+            raise FileNotFoundError(
+                f"consolidation job {job} has no recorded checkpoints to scan")
+        cached = _RUN_FILES[job] = (out_dir, model, run_files(checkpoints_from_record(recorded)))
+        while len(_RUN_FILES) > RUN_FILES_CACHE:
+            _RUN_FILES.popitem(last=False)
+    return cached[2]
+
+
 @get_app().task(name="chkq.scan", bind=True, base=ChkqTask)
 @job_step
 def scan(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
          **what: Any) -> dict[str, Any]:
     """Scan one unit of a large run's files (stamp, skeleton, row counts) and record it."""
-    recorded = protocol.recorded_run(job, out_dir, model)
-    if recorded is None:
-        raise FileNotFoundError(f"consolidation job {job} has no recorded checkpoints to scan")
-    paths = run_files(checkpoints_from_record(recorded))
+    paths = _recorded_files(job, out_dir, model)
     units = scan_units(len(paths))
     first, stop = units[_checked_unit(unit, len(units), job, "scan")]
     protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop])))

@@ -9,6 +9,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.planner import SCAN_FILES, scan_units
+from chkq.tasks.base import deliveries_key
 from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import job_status
 from chkq.workers.client import submit_consolidation
@@ -54,6 +55,11 @@ def test_a_run_scanned_by_several_units_is_consolidated_whole(
     metas = job.app.backend.client.mget(
         [job.app.backend.get_key_for_task(task_id(job.id, "scan", i)) for i in range(units)])
     assert all(meta is not None and b'"SUCCESS"' in meta for meta in metas)
+    client = job.app.backend.client
+    plan_id = task_id(job.id, "plan")
+    assert int(client.get(deliveries_key(plan_id)) or 0) == 1
+    assert int(client.get(deliveries_key(plan_id, replaced=1)) or 0) == 1, \
+        "the planning step's second run (the scans' callback) is counted apart"
     status = job_status(job.id)
     assert status.plan is not None and status.plan["files"] == FILES
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f.name for f in files]

@@ -18,6 +18,7 @@ worker serves the queue its job waits in, then keeps waiting.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 import warnings
@@ -287,13 +288,16 @@ class QueueWatch:
     """Tells, once per queue, when no worker serves the queue a job waits in.
 
     Without it, a job sent to a cluster with no worker (or none for, say,
-    the copy queue) waits silently for ever.
+    the copy queue) waits silently for ever. The check is a broadcast that
+    waits ``INSPECT_SECONDS`` for replies; it runs in a thread of its own,
+    so that the waiting client notices the job's end as soon as it comes.
     """
 
     def __init__(self, job: ConsolidationJob, notice: Callable[[str], None]) -> None:
         self.job, self.notice = job, notice
         self.next_check = time.monotonic() + FIRST_WORKER_CHECK_SECONDS
         self.told: set[str] = set()
+        self.checking: threading.Thread | None = None
 
     def waiting_in(self) -> tuple[str, str] | None:
         """The queue the job waits in now, and its phase (None: it is not waiting)."""
@@ -304,18 +308,26 @@ class QueueWatch:
         return (queue, status.phase) if queue else None
 
     def check(self) -> None:
+        """Start a check of the job's queue, if one is due and none is running."""
         now = time.monotonic()
-        if now < self.next_check:
+        if now < self.next_check or (self.checking is not None and self.checking.is_alive()):
             return
         self.next_check = now + WORKER_CHECK_SECONDS
         try:
             waiting = self.waiting_in()
-            if waiting is None or waiting[0] in self.told:
-                return
-            queue, phase = waiting
+        except (LookupError, *BROKER_ERRORS):  # type: ignore[misc]
+            return
+        if waiting is None or waiting[0] in self.told:
+            return
+        self.checking = threading.Thread(target=self._tell_if_unserved, args=waiting,
+                                         name="chkq-queue-watch", daemon=True)
+        self.checking.start()
+
+    def _tell_if_unserved(self, queue: str, phase: str) -> None:
+        try:
             if queue in served_queues():
                 return
-        except (LookupError, *BROKER_ERRORS):  # type: ignore[misc]
+        except BROKER_ERRORS:
             return
         self.told.add(queue)
         short = queue.removeprefix("chkq.")
