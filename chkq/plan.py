@@ -107,7 +107,8 @@ class Plan:
     consolidation order, so that tasks can tell a file that changed since
     planning; ``reference_file`` is the final checkpoint's first file, the
     template of the output; ``temp_inode`` identifies the temporary output
-    the planner created.
+    the planner created; ``file_digests`` holds each file's
+    ``chkq.structure.FileScan.digest`` ("" where the scan took none).
     """
 
     job_id: str
@@ -122,6 +123,7 @@ class Plan:
     copy_units: list[CopyUnit]
     verify_units: list[list[int]]
     temp_inode: int = 0
+    file_digests: list[str] = field(default_factory=list)
     version: int = PLAN_VERSION
 
     @property

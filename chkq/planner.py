@@ -145,7 +145,7 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
             skeletons.append(s.scan.objects)
         files.append([str(s.scan.path), skeletons.index(s.scan.objects),
                       list(s.scan.rows.values()), s.stamp.as_list(),
-                      [s.scan.plain_chunks.get(name) for name in s.scan.rows]])
+                      [s.scan.plain_chunks.get(name) for name in s.scan.rows], s.scan.digest])
     return {"skeletons": skeletons, "files": files}
 
 
@@ -161,14 +161,15 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
         skeletons = [{str(k): str(v) for k, v in objects.items()}
                      for objects in record["skeletons"]]
         scanned = []
-        for path, index, rows, stamp, chunks in record["files"]:
+        for path, index, rows, stamp, chunks, digest in record["files"]:
             objects = skeletons[index]
             names = [n for n, kind in objects.items() if kind.startswith("extensible ")]
             if len(rows) != len(names) or not all(type(r) is int for r in rows):
                 raise ValueError("row counts do not match the skeleton")
             plain = {name: [int(x) for x in found]
                      for name, found in zip(names, chunks, strict=True) if found is not None}
-            scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)), plain)
+            scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)), plain,
+                            str(digest))
             scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed scan record: {exc}") from None
@@ -320,6 +321,7 @@ def prepare(
         reference_file=str(reference),
         datasets=datasets,
         copy_units=cut_copy_units(datasets, len(files), task_bytes, task_files),
+        file_digests=[s.scan.digest for s in scanned],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
     )

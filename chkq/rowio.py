@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import h5py
 import numpy as np
@@ -45,6 +46,17 @@ def iter_blocks(
     """Yield ``(first_row, rows)`` blocks covering ``[start, stop)`` of ``dataset``."""
     for first in range(start, stop, rows_per_block):
         yield first, read_rows(dataset, first, min(stop, first + rows_per_block))
+
+
+def digest_rows(digest: Any, name: str, count: int, blocks: Iterable[np.ndarray]) -> None:
+    """Add one dataset's ``count`` rows of one file, in ``blocks``, to that file's digest.
+
+    ``digest`` is a ``hashlib`` object. The dataset's name and row count go
+    in first, so that rows cannot shift from one dataset to the next unnoticed.
+    """
+    digest.update(f"{name}\0{count}\0".encode("utf-8", "surrogateescape"))
+    for rows in blocks:
+        digest.update(as_bytes(rows))
 
 
 def as_bytes(rows: np.ndarray) -> memoryview:

@@ -8,15 +8,18 @@ kept). A file is complete only when its root has ``trials_completed``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
 import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... with HDF5)
+import numpy as np
 from h5py import h5a, h5d, h5f, h5o, h5p, h5s, h5t, h5z
 
-from chkq.h5types import element_count, type_key
+from chkq.h5types import element_count, is_variable, type_key
+from chkq.rowio import digest_rows, read_into
 
 COMPLETE_ATTR = "trials_completed"
 MAX_LISTED_DIFFERENCES = 5
@@ -44,12 +47,18 @@ class FileScan:
         For the extensible datasets whose stored chunks hold their rows as
         plain bytes (:func:`plain_chunks`): rows per chunk, then the file
         offset of each chunk in row order.
+    digest
+        For a small file whose extensible datasets are all of fixed-size
+        types: the SHA-256 of their rows as HDF5 reads them (in name order,
+        :func:`chkq.rowio.digest_rows`), against which the output is
+        verified without opening the file again; else "".
     """
 
     path: Path
     objects: dict[str, str] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     plain_chunks: dict[str, list[int]] = field(default_factory=dict)
+    digest: str = ""
 
     @property
     def extensible(self) -> list[str]:
@@ -90,6 +99,9 @@ _SIGNATURES: dict[bytes, str] = {}
 #: Most a deflate-like filter can shrink data (zlib's limit is about 1032:1); a file that
 #: declares more rows than its stored bytes could hold at that ratio is refused.
 MAX_FILTER_RATIO = 1100
+
+#: Most bytes of extensible rows a file may hold for its scan to digest them.
+DIGEST_FILE_BYTES = 1024 * 1024
 
 #: Bytes of rows a dataset may declare beyond what it stores (rows never written read as
 #: the fill value): enough for datasets created ahead of their data, not for forged sizes.
@@ -188,6 +200,24 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     return [int(chunk[0]), *(int(offset) for offset in offsets if offset is not None)]
 
 
+def _small_file_digest(fid: h5f.FileID,
+                       datasets: dict[str, tuple[h5d.DatasetID, h5t.TypeID]]) -> str:
+    """The digest of a small file's extensible rows (:attr:`FileScan.digest`), or ""."""
+    if any(is_variable(tid) for _, tid in datasets.values()):
+        return ""
+    sizes = {name: tid.get_size() * element_count(dsid.shape)
+             for name, (dsid, tid) in datasets.items()}
+    if sum(sizes.values()) > DIGEST_FILE_BYTES:
+        return ""
+    digest = hashlib.sha256()
+    for name in sorted(datasets):
+        dsid, tid = datasets[name]
+        rows = np.empty(dsid.shape, dtype=f"V{tid.get_size()}")
+        read_into(dsid, 0, rows)
+        digest_rows(digest, name, len(rows), [rows])
+    return digest.hexdigest()
+
+
 def scan_file(path: Path) -> FileScan:
     """Open ``path`` once and record its skeleton and row counts.
 
@@ -210,6 +240,7 @@ def scan_file(path: Path) -> FileScan:
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
         members: list[tuple[bytes, int]] = []
+        extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID]] = {}
 
         def visit(name: bytes, info: h5o._ObjInfo) -> None:
             members.append((name, info.type))
@@ -233,6 +264,7 @@ def scan_file(path: Path) -> FileScan:
                             "concatenates rows along the first axis only")
                     if extensible:
                         dcpl, tid = dsid.get_create_plist(), dsid.get_type()
+                        extensible_types[name] = (dsid, tid)
                         check_storage(path, name, dsid, dcpl, tid)
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(tid)
@@ -243,6 +275,7 @@ def scan_file(path: Path) -> FileScan:
                             scan.plain_chunks[name] = found
                     else:
                         scan.objects[name] = "fixed"
+            scan.digest = _small_file_digest(fid, extensible_types)
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
     finally:

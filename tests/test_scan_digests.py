@@ -1,0 +1,93 @@
+"""Small files are verified against the digest their planning scan took (Celery-free)."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from chkq.copy_rows import copy_unit
+from chkq.demo import RunShape, make_run
+from chkq.errors import OutputMismatchError
+from chkq.merge import merge_parts
+from chkq.plan import Plan
+from chkq.planner import prepare
+from chkq.structure import DIGEST_FILE_BYTES, scan_file
+from chkq.verify_rows import verify_files
+
+
+def copied(run: Path, model: str = "run") -> Plan:
+    """A planned job whose copy and merge are done, not yet verified."""
+    plan = prepare(run, model, uuid.uuid4().hex)
+    for unit in range(len(plan.copy_units)):
+        copy_unit(plan, unit)
+    merge_parts(plan)
+    return plan
+
+
+def test_the_scan_digests_what_hdf5_reads_in_name_order(tmp_path: Path) -> None:
+    (path,) = make_run(tmp_path, "run", RunShape(checkpoints=1, trials=3))
+    expected = hashlib.sha256()
+    with h5py.File(path) as f:
+        names = sorted(n for n in _extensible(f))
+        for name in names:
+            data = f[name][()]
+            expected.update(f"{name}\0{len(data)}\0".encode())
+            expected.update(np.ascontiguousarray(data).tobytes())
+    assert scan_file(path).digest == expected.hexdigest()
+
+
+def _extensible(f: h5py.File) -> list[str]:
+    found: list[str] = []
+    f.visititems(lambda name, obj: found.append(name) if isinstance(obj, h5py.Dataset)
+                 and obj.maxshape and obj.maxshape[0] is None else None)
+    return found
+
+
+def test_no_digest_for_big_files_or_variable_length_rows(tmp_path: Path) -> None:
+    big = tmp_path / "big.h5"
+    with h5py.File(big, "w") as f:
+        f.attrs["trials_completed"] = 1
+        f.create_dataset("x", data=np.zeros(DIGEST_FILE_BYTES // 8 + 1), maxshape=(None,))
+    small = tmp_path / "vlen.h5"
+    with h5py.File(small, "w") as f:
+        f.attrs["trials_completed"] = 1
+        f.create_dataset("s", data=["a", "bc"], maxshape=(None,), dtype=h5py.string_dtype())
+    assert scan_file(big).digest == "" and scan_file(small).digest == ""
+
+
+@pytest.mark.parametrize("block_bytes", [64 * 1024 * 1024, 4096])
+def test_a_row_damaged_after_the_copy_is_named(tmp_path: Path, block_bytes: int) -> None:
+    make_run(tmp_path, "run", RunShape(checkpoints=5, trials=40))
+    plan = copied(tmp_path)
+    plan.block_bytes = block_bytes
+    try:
+        assert all(plan.file_digests), "small files are digested when planned"
+        trial = next(d for d in plan.datasets if d.name == "galaxy/trial")
+        for first, stop in plan.verify_units:
+            verify_files(plan, first, stop)
+        with open(plan.job.temp, "r+b") as fh:
+            fh.seek(trial.chunk_offsets[0] + 123 * trial.row_bytes)
+            fh.write(np.uint64(999999).tobytes())
+        with pytest.raises(OutputMismatchError,
+                           match=r"row 123 of dataset 'galaxy/trial'.*run_chk00004.h5"):
+            for first, stop in plan.verify_units:
+                verify_files(plan, first, stop)
+    finally:
+        plan.job.temp.unlink()
+
+
+def test_a_digest_that_does_not_match_the_file_fails_the_job(tmp_path: Path) -> None:
+    make_run(tmp_path, "run", RunShape(checkpoints=2, trials=10))
+    plan = copied(tmp_path)
+    try:
+        plan.file_digests[1] = hashlib.sha256(b"another version").hexdigest()
+        with pytest.raises(OutputMismatchError, match=r"run_chk00002.h5.*digest"):
+            for first, stop in plan.verify_units:
+                verify_files(plan, first, stop)
+    finally:
+        plan.job.temp.unlink()
