@@ -19,7 +19,7 @@ import numpy as np
 from h5py import h5a, h5d, h5f, h5o, h5p, h5s, h5t, h5z
 
 from chkq.h5types import element_count, is_variable, type_key
-from chkq.rowio import digest_rows, read_into
+from chkq.rowio import digest_rows
 
 COMPLETE_ATTR = "trials_completed"
 MAX_LISTED_DIFFERENCES = 5
@@ -200,20 +200,20 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     return [int(chunk[0]), *(int(offset) for offset in offsets if offset is not None)]
 
 
-def _small_file_digest(fid: h5f.FileID,
-                       datasets: dict[str, tuple[h5d.DatasetID, h5t.TypeID]]) -> str:
+def _small_file_digest(
+        datasets: dict[str, tuple[h5d.DatasetID, h5t.TypeID, tuple[int, ...]]]) -> str:
     """The digest of a small file's extensible rows (:attr:`FileScan.digest`), or ""."""
-    if any(is_variable(tid) for _, tid in datasets.values()):
+    if any(is_variable(tid) for _, tid, _ in datasets.values()):
         return ""
-    sizes = {name: tid.get_size() * element_count(dsid.shape)
-             for name, (dsid, tid) in datasets.items()}
-    if sum(sizes.values()) > DIGEST_FILE_BYTES:
+    if sum(tid.get_size() * element_count(shape)
+           for _, tid, shape in datasets.values()) > DIGEST_FILE_BYTES:
         return ""
     digest = hashlib.sha256()
     for name in sorted(datasets):
-        dsid, tid = datasets[name]
-        rows = np.empty(dsid.shape, dtype=f"V{tid.get_size()}")
-        read_into(dsid, 0, rows)
+        dsid, tid, shape = datasets[name]
+        rows = np.empty(shape, dtype=f"V{tid.get_size()}")
+        if rows.size:
+            dsid.read(h5s.ALL, h5s.ALL, rows, mtype=tid)
         digest_rows(digest, name, len(rows), [rows])
     return digest.hexdigest()
 
@@ -240,7 +240,7 @@ def scan_file(path: Path) -> FileScan:
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
         members: list[tuple[bytes, int]] = []
-        extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID]] = {}
+        extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID, tuple[int, ...]]] = {}
 
         def visit(name: bytes, info: h5o._ObjInfo) -> None:
             members.append((name, info.type))
@@ -264,7 +264,7 @@ def scan_file(path: Path) -> FileScan:
                             "concatenates rows along the first axis only")
                     if extensible:
                         dcpl, tid = dsid.get_create_plist(), dsid.get_type()
-                        extensible_types[name] = (dsid, tid)
+                        extensible_types[name] = (dsid, tid, space.shape)
                         check_storage(path, name, dsid, dcpl, tid)
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(tid)
@@ -275,7 +275,7 @@ def scan_file(path: Path) -> FileScan:
                             scan.plain_chunks[name] = found
                     else:
                         scan.objects[name] = "fixed"
-            scan.digest = _small_file_digest(fid, extensible_types)
+            scan.digest = _small_file_digest(extensible_types)
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
     finally:
