@@ -236,6 +236,8 @@ def scan_files(paths: list[Path]) -> list[ScannedFile]:
 def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
     """Find the run's checkpoints and scan every file here, refusing a bad run.
 
+    For a check before a job is sent: the files' rows are not digested.
+
     Raises
     ------
     FileNotFoundError, ValueError
@@ -243,7 +245,7 @@ def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list
         HDF5, or differs in structure.
     """
     checkpoints = find_run(out_dir, model)
-    scans = [scan_file(path) for path in run_files(checkpoints)]
+    scans = [scan_file(path, digest=False) for path in run_files(checkpoints)]
     check_same_structure(scans)
     return checkpoints, scans
 

@@ -239,7 +239,9 @@ def test_output_created_while_the_job_runs(tmp_path: Path, worker: WorkerProcess
 
 def test_copy_task_failing_midway_fails_the_job_cleanly(tmp_path: Path) -> None:
     """A checksummed chunk of the last file is corrupt: the copy fails after others."""
-    shape = RunShape(checkpoints=4, trials=600, fletcher32=True, chunk_rows=64)
+    # Files above the scan's digest size: the damage is found by the copy, not the plan.
+    shape = RunShape(checkpoints=4, trials=600, fletcher32=True, chunk_rows=64,
+                     spec_columns=256)
     make_run(tmp_path, "run", shape)
     corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
     before = snapshot(tmp_path)

@@ -262,8 +262,9 @@ def test_status_names_the_failing_plan_and_its_error(cluster: Cluster, tmp_path:
 
 def test_status_names_the_failing_copy_task_and_its_error(cluster: Cluster,
                                                           tmp_path: Path) -> None:
+    # Files above the scan's digest size: the damage is found by the copy, not the plan.
     make_run(tmp_path, "run", RunShape(checkpoints=4, trials=600, fletcher32=True,
-                                       chunk_rows=64))
+                                       chunk_rows=64, spec_columns=256))
     corrupt_chunk(tmp_path / "run_chk00004.h5", "spectra/spec")
     before = snapshot(tmp_path)
     job, state = _run_job(cluster, tmp_path)

@@ -91,3 +91,16 @@ def test_a_digest_that_does_not_match_the_file_fails_the_job(tmp_path: Path) -> 
                 verify_files(plan, first, stop)
     finally:
         plan.job.temp.unlink()
+
+
+def test_a_damaged_small_file_is_refused_when_planned(tmp_path: Path) -> None:
+    """Its scan reads every row (fletcher32 checked): nothing is written at all."""
+    from tests.helpers import corrupt_chunk, snapshot
+
+    make_run(tmp_path, "run", RunShape(checkpoints=3, trials=50, fletcher32=True,
+                                       chunk_rows=16))
+    corrupt_chunk(tmp_path / "run_chk00002.h5", "spectra/spec")
+    before = snapshot(tmp_path)
+    with pytest.raises(ValueError, match=r"cannot read checkpoint file .*run_chk00002.h5"):
+        prepare(tmp_path, "run", uuid.uuid4().hex)
+    assert snapshot(tmp_path) == before
