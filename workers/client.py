@@ -327,7 +327,7 @@ class QueueWatch:
         try:
             if queue in served_queues():
                 return
-        except BROKER_ERRORS:
+        except Exception:  # noqa: BLE001 - advisory: the broker may be down, the client closing
             return
         self.told.add(queue)
         short = queue.removeprefix("chkq.")
