@@ -378,16 +378,6 @@ class BlackHole:
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
-    def _is_down(self) -> bool:
-        with self._lock:
-            return time.monotonic() < self._down_until
-
-    def _refuse(self, client: socket.socket) -> None:
-        """Reset the connection (RST), as a host that is down would."""
-        self.refused += 1
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-        client.close()
-
     def _accept(self) -> None:
         while not self._closed:
             try:
