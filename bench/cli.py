@@ -67,7 +67,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -82,7 +81,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH.parent))
 sys.path.insert(0, str(BENCH))
 
-from consolidate import MODEL, RssWatch, reset_peaks  # noqa: E402
+from consolidate import MODEL, RssWatch, bench_dirs, reset_peaks, tuning  # noqa: E402
 from consolidate import RUNS as BASE_RUNS  # noqa: E402
 from consolidate import Cluster as BaseCluster  # noqa: E402
 
@@ -694,20 +693,13 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"# netcdf run skipped: it needs {missing}", flush=True)
             runs.remove("netcdf")
-    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="chkq-bench-cli-")
-    root = args.keep or Path(tmp.name)  # type: ignore[union-attr]
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = root / "scratch"
-    scratch.mkdir(exist_ok=True)
+    tmp, root, scratch = bench_dirs(args.keep, "chkq-bench-cli-")
 
     import chkq
     import chkq.workers.client as client
 
     print(f"# chkq {chkq.__version__}; machine: {os.cpu_count()} CPUs; cluster: private "
-          f"redis-server + `chkq worker -c {args.workers}` (fresh processes); "
-          f"CHKQ_BLOCK_BYTES={os.environ.get('CHKQ_BLOCK_BYTES', 'default')} "
-          f"CHKQ_TASK_BYTES={os.environ.get('CHKQ_TASK_BYTES', 'default')} "
-          f"CHKQ_TASK_FILES={os.environ.get('CHKQ_TASK_FILES', 'default')}")
+          f"redis-server + `chkq worker -c {args.workers}` (fresh processes); {tuning()}")
     print(f"# clients poll every {client.POLL_SECONDS} s (as shipped); page cache WARM for "
           "every contender (inputs just written or warmed up; caches are not dropped)",
           flush=True)

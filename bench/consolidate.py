@@ -347,6 +347,27 @@ def generate(root: Path, name: str) -> tuple[Path, list[Path], int]:
     return run_dir, files, size
 
 
+def bench_dirs(keep: Path | None, prefix: str
+               ) -> tuple[tempfile.TemporaryDirectory[str] | None, Path, Path]:
+    """Where runs are generated: ``keep`` (reused), or a temporary directory to clean up.
+
+    Returns the temporary directory (None with ``keep``), the root and its
+    ``scratch`` subdirectory, both created.
+    """
+    tmp = None if keep else tempfile.TemporaryDirectory(prefix=prefix)
+    root = keep or Path(tmp.name)  # type: ignore[union-attr]
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = root / "scratch"
+    scratch.mkdir(exist_ok=True)
+    return tmp, root, scratch
+
+
+def tuning() -> str:
+    """The workers' tuning settings from the environment, for a bench's header line."""
+    return " ".join(f"{name}={os.environ.get(name, 'default')}"
+                    for name in ("CHKQ_BLOCK_BYTES", "CHKQ_TASK_BYTES", "CHKQ_TASK_FILES"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -364,15 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     chkq.workers.client.POLL_SECONDS = args.poll_seconds
     runs = [r for r in args.runs.split(",") if r]
     contenders = [c for c in args.contenders.split(",") if c]
-    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="chkq-bench-")
-    root = args.keep or Path(tmp.name)  # type: ignore[union-attr]
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = root / "scratch"
-    scratch.mkdir(exist_ok=True)
+    tmp, root, scratch = bench_dirs(args.keep, "chkq-bench-")
     print(f"# machine: {os.cpu_count()} CPUs; workers: 1 celery worker -c {args.workers}; "
-          f"CHKQ_BLOCK_BYTES={os.environ.get('CHKQ_BLOCK_BYTES', 'default')} "
-          f"CHKQ_TASK_BYTES={os.environ.get('CHKQ_TASK_BYTES', 'default')} "
-          f"CHKQ_TASK_FILES={os.environ.get('CHKQ_TASK_FILES', 'default')}")
+          f"{tuning()}")
     print(f"# client polls the result backend every {args.poll_seconds} s "
           "(chkq.workers.client.POLL_SECONDS; shipped default 0.05 s)")
     print("# page cache: WARM for every contender (inputs just written, RAM >> data; "
