@@ -35,6 +35,7 @@ from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
+from chkq.structure import stored_chunks
 from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
@@ -97,23 +98,11 @@ def create_extensible(group: h5py.Group, name: str, source: h5py.Dataset,
 
 def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
     """File offset of every chunk of a dataset, in row-major chunk order (all allocated)."""
-    dcpl = dsid.get_create_plist()
-    chunks = dcpl.get_chunk()
-    shape = dsid.shape
-    grid = [-(-size // c) for size, c in zip(shape, chunks, strict=True)]
-    found: dict[tuple[int, ...], int] = {}
-
-    def record(info: h5d.StoreInfo) -> None:
-        coords = tuple(o // c for o, c in zip(info.chunk_offset, chunks, strict=True))
-        found[coords] = int(info.byte_offset)
-
-    if all(grid):
-        dsid.chunk_iter(record)
     offsets = []
-    for coords in np.ndindex(*grid):
-        if coords not in found:
+    for coords, info in stored_chunks(dsid, dsid.get_create_plist().get_chunk(), dsid.shape):
+        if info is None:
             raise RuntimeError(f"chunk {coords} of the output's dataset was not allocated")
-        offsets.append(found[coords])
+        offsets.append(int(info.byte_offset))
     return offsets
 
 

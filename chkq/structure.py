@@ -164,6 +164,23 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID
                          f"stores only {stored} bytes: the file is damaged or forged")
 
 
+def stored_chunks(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...]
+                  ) -> list[tuple[tuple[int, ...], h5d.StoreInfo | None]]:
+    """Every chunk of a dataset in row-major order: its grid coordinates and storage info.
+
+    One pass over HDF5's chunk index; the info is None for a chunk not stored.
+    """
+    grid = [-(-size // c) for size, c in zip(shape, chunk, strict=True)]
+    found: dict[tuple[int, ...], h5d.StoreInfo] = {}
+
+    def record(info: h5d.StoreInfo) -> None:
+        found[tuple(o // c for o, c in zip(info.chunk_offset, chunk, strict=True))] = info
+
+    if all(grid):
+        dsid.chunk_iter(record)
+    return [(coords, found.get(coords)) for coords in np.ndindex(*grid)]
+
+
 def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...],
                  element_size: int) -> list[int] | None:
     """Rows per chunk, then each chunk's file offset in row order, if chunks hold plain rows.
@@ -179,25 +196,14 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     chunk = dcpl.get_chunk()
     if tuple(chunk[1:]) != tuple(shape[1:]):
         return None
-    count = -(-shape[0] // chunk[0])
     chunk_bytes = element_size * element_count(chunk)
-    offsets: list[int | None] = [None] * count
-    plain = True
-
-    def record(info: h5d.StoreInfo) -> None:
-        nonlocal plain
-        k = info.chunk_offset[0] // chunk[0]
-        if (info.byte_offset is None or info.size != chunk_bytes or info.filter_mask
-                or not 0 <= k < count):
-            plain = False
-        else:
-            offsets[k] = int(info.byte_offset)
-
-    if count:
-        dsid.chunk_iter(record)
-    if not plain or any(offset is None for offset in offsets):
-        return None
-    return [int(chunk[0]), *(int(offset) for offset in offsets if offset is not None)]
+    offsets = [int(chunk[0])]
+    for _, info in stored_chunks(dsid, chunk, shape):
+        if (info is None or info.byte_offset is None or info.size != chunk_bytes
+                or info.filter_mask):
+            return None
+        offsets.append(int(info.byte_offset))
+    return offsets
 
 
 def _small_file_digest(
