@@ -328,12 +328,12 @@ def _copy_to_part(
 
         def flush() -> None:
             nonlocal pending_rows, written
-            aligned = encoder is not None and written % per_chunk == 0
-            done = pending_rows // per_chunk * per_chunk if aligned else 0
-            for first in range(0, done, per_chunk):
-                assert encoder is not None
-                chunk = encoder.encode(buffer[first:first + per_chunk])
-                out.write_direct_chunk((written + first, *trailing_zeros), chunk)
+            done = 0
+            if encoder is not None and written % per_chunk == 0:
+                done = pending_rows // per_chunk * per_chunk
+                for first in range(0, done, per_chunk):
+                    chunk = encoder.encode(buffer[first:first + per_chunk])
+                    out.write_direct_chunk((written + first, *trailing_zeros), chunk)
             if pending_rows > done:
                 fspace = out.get_space()
                 shape = (pending_rows - done, *d.trailing)
