@@ -171,10 +171,15 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
     if plan is None:
         raise FileNotFoundError(f"consolidation job {job} has no recorded plan: it failed, "
                                 "was cancelled, or its records expired")
-    if plan.out_dir != out_dir or plan.model != model:
-        raise ValueError(f"the message for job {job} names {out_dir!r}/{model!r}, but the job "
-                         f"consolidates {plan.out_dir!r}/{plan.model!r}")
+    _check_target(job, (out_dir, model), (plan.out_dir, plan.model))
     return plan
+
+
+def _check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) -> None:
+    """Refuse a message that names another directory and model than the job's records."""
+    if named != recorded:
+        raise ValueError(f"the message for job {job} names {named[0]!r}/{named[1]!r}, but the "
+                         f"job consolidates {recorded[0]!r}/{recorded[1]!r}")
 
 
 def output_stamp(plan: Plan) -> list[int]:
@@ -206,9 +211,7 @@ def recorded_run(job: str, out_dir: str, model: str) -> list[Any] | None:
     if not raw:
         return None
     record = json.loads(raw)
-    if record.get("out_dir") != out_dir or record.get("model") != model:
-        raise ValueError(f"the message for job {job} names {out_dir!r}/{model!r}, but the job "
-                         f"consolidates {record.get('out_dir')!r}/{record.get('model')!r}")
+    _check_target(job, (out_dir, model), (record.get("out_dir"), record.get("model")))
     checkpoints: list[Any] = record.get("checkpoints") or []
     return checkpoints
 
