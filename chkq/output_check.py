@@ -26,6 +26,7 @@ from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
 
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
+from chkq.structure import MAX_DEPTH
 
 MAX_LISTED = 5
 BLOCK_BYTES = 32 * 1024 * 1024
@@ -46,37 +47,42 @@ class FileModel:
         return {frozenset(names) for names in groups.values()}
 
 
-def _walk(fid: h5f.FileID) -> FileModel:
-    """Every link reachable from the root (each group entered once) and its target."""
-    model = FileModel()
-    seen: set[tuple[int, int]] = set()
+def _walk(fid: h5f.FileID, where: str) -> FileModel:
+    """Every link reachable from the root (each group entered once) and its target.
 
-    def enter(path: str) -> None:
-        group = h5g.open(fid, path.encode() if path else b"/")
+    A loop over an explicit stack of groups, never deeper than
+    ``MAX_DEPTH`` (the planning scan refused deeper files; a file that grew
+    deeper since is refused here too, without recursion).
+    """
+    model = FileModel()
+    root = h5o.get_info(h5o.open(fid, b"/"))
+    seen: set[tuple[int, int]] = {(root.fileno, _token(root))}
+    pending: list[tuple[str, int]] = [("", 0)]
+    while pending:
+        path, depth = pending.pop()
+        group = h5g.open(fid, path.encode("utf-8", "surrogateescape") if path else b"/")
         names: list[bytes] = []
-        group.links.iterate(lambda n: names.append(n))
+        group.links.iterate(names.append)
         for raw in names:
             full = f"{path}/{raw.decode('utf-8', 'surrogateescape')}"
+            if depth >= MAX_DEPTH:
+                raise OutputMismatchError(f"{where} nests groups more than {MAX_DEPTH} "
+                                          f"levels deep (at {full[:120]!r})")
             info = group.links.get_info(raw)
             if info.type == h5l.TYPE_SOFT:
                 model.links[full] = ("soft", group.links.get_val(raw))
             elif info.type == h5l.TYPE_EXTERNAL:
                 model.links[full] = ("external", group.links.get_val(raw))
             elif info.type == h5l.TYPE_HARD:
-                obj = h5o.open(group, raw)
-                oinfo = h5o.get_info(obj)
+                oinfo = h5o.get_info(group, raw)
                 identity = (oinfo.fileno, _token(oinfo))
                 model.links[full] = ("hard", oinfo.type, info.cset)
                 model.objects[full] = identity
                 if oinfo.type == h5o.TYPE_GROUP and identity not in seen:
                     seen.add(identity)
-                    enter(full)
+                    pending.append((full, depth + 1))
             else:
                 model.links[full] = ("user-defined", info.type)
-
-    root = h5o.get_info(h5o.open(fid, b"/"))
-    seen.add((root.fileno, _token(root)))
-    enter("")
     return model
 
 
@@ -100,7 +106,9 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
     ref_fid = h5f.open(str(template).encode(), h5f.ACC_RDONLY)
     try:
         _compare_userblock(out_fid, ref_fid, output, template, found)
-        expected, actual = _walk(ref_fid), _walk(out_fid)
+        _compare_format(out_fid, ref_fid, found)
+        expected = _walk(ref_fid, f"the template {str(template)!r}")
+        actual = _walk(out_fid, f"the output {str(output)!r}")
         for name in expected.links.keys() - actual.links.keys():
             found.append(f"link {name!r} is missing")
         for name in actual.links.keys() - expected.links.keys():
@@ -140,6 +148,19 @@ def check_output(output: Path, template: Path, rows: dict[str, int],
             + "; ".join(found[:MAX_LISTED]) + more)
 
 
+def _compare_format(out_fid: h5f.FileID, ref_fid: h5f.FileID, found: list[str]) -> None:
+    """Same superblock and file-space settings (the format a reader must understand)."""
+    want, got = ref_fid.get_create_plist(), out_fid.get_create_plist()
+    for label, read in (("format versions (superblock, free list, symbol table, shared "
+                         "headers)", lambda p: p.get_version()),
+                        ("sizes of offsets and lengths", lambda p: p.get_sizes()),
+                        ("file-space strategy", lambda p: p.get_file_space_strategy()),
+                        ("file-space page size", lambda p: p.get_file_space_page_size())):
+        if read(want) != read(got):
+            found.append(f"the file's {label} {read(got)} differ from the template's "
+                         f"{read(want)}")
+
+
 def _compare_userblock(out_fid: h5f.FileID, ref_fid: h5f.FileID, output: Path,
                        template: Path, found: list[str]) -> None:
     size = ref_fid.get_create_plist().get_userblock()
@@ -156,6 +177,10 @@ def _compare_object(name: str, ref_file: h5py.File, out_file: h5py.File, rows: d
                     raw_datasets: set[str], found: list[str]) -> None:
     raw = name.encode("utf-8", "surrogateescape")
     expected, actual = h5o.open(ref_file.id, raw), h5o.open(out_file.id, raw)
+    versions = (h5o.get_info(expected).hdr.version, h5o.get_info(actual).hdr.version)
+    if versions[0] != versions[1]:
+        found.append(f"object {name!r} has an object header of version {versions[1]}, "
+                     f"expected {versions[0]}")
     _compare_attributes(name, expected, actual, ref_file, out_file, found)
     if isinstance(expected, h5t.TypeID):
         if not isinstance(actual, h5t.TypeID) or expected.encode() != actual.encode():

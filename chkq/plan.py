@@ -108,7 +108,10 @@ class Plan:
     planning; ``reference_file`` is the final checkpoint's first file, the
     template of the output; ``temp_inode`` identifies the temporary output
     the planner created; ``file_digests`` holds each file's
-    ``chkq.structure.FileScan.digest`` ("" where the scan took none).
+    ``chkq.structure.FileScan.digest`` ("" where the scan took none);
+    ``libver`` holds the library version bounds (h5py's ``libver``) under
+    which the output is written (``chkq.skeleton.format_bounds``): every
+    open of it for writing uses them.
     """
 
     job_id: str
@@ -124,6 +127,7 @@ class Plan:
     verify_units: list[list[int]]
     temp_inode: int = 0
     file_digests: list[str] = field(default_factory=list)
+    libver: list[str] = field(default_factory=lambda: ["earliest", "latest"])
     version: int = PLAN_VERSION
 
     @property

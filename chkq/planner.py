@@ -33,6 +33,7 @@ from chkq.structure import (
     open_checkpoint_id,
     refuse_outside_storage,
     scan_file,
+    walk_objects,
 )
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
@@ -83,12 +84,10 @@ def _classic_references(tid: h5t.TypeID) -> bool:
 def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
     """Refuse a template whose datasets keep data in other files (the output would too)."""
 
-    def visit(name: bytes, info: h5o._ObjInfo) -> None:
-        if info.type == h5o.TYPE_DATASET:
+    for name, kind in walk_objects(fid, f"checkpoint file {str(reference)!r}"):
+        if kind == h5o.TYPE_DATASET:
             refuse_outside_storage(reference, name.decode("utf-8", "surrogateescape"),
                                    h5d.open(fid, name).get_create_plist())
-
-    h5o.visit(fid, visit, info=True)
 
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
@@ -299,7 +298,7 @@ def prepare(
     names = scans[0].extensible
     datasets = describe_template(reference, names, {n: offsets_of(n, scans) for n in names})
     job.temp.unlink(missing_ok=True)
-    layout, inode = create_skeleton(
+    layout, inode, bounds = create_skeleton(
         job.temp, reference,
         rows={d.name: d.total for d in datasets},
         raw={d.name for d in datasets if d.mode == "raw"},
@@ -326,4 +325,5 @@ def prepare(
         file_digests=[s.scan.digest for s in scanned],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
+        libver=list(bounds),
     )

@@ -35,11 +35,41 @@ from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
-from chkq.structure import stored_chunks
+from chkq.structure import stored_chunks, walk_objects
 from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024
+
+#: The lowest library version bound that writes each superblock version: what the file's
+#: writer must have asked for at least.
+_SUPERBLOCK_LOW = {0: "earliest", 1: "earliest", 2: "v108", 3: "v110"}
+
+
+def format_bounds(template: h5py.File, datasets: list[str]) -> tuple[str, str]:
+    """The library version bounds (h5py ``libver``) under which chkq writes into the output.
+
+    HDF5 does not store a file's bounds; it opens every file with the
+    default ones (``earliest``), and objects created then get the oldest
+    formats: a recreated dataset would have a version 1 object header
+    where the template's has version 2 (which is where "do not track
+    times" is kept, and which allows attributes over 64 KiB). The low
+    bound is the one the template's writer used at least: that of its
+    superblock version, raised to 1.8 when any of ``datasets`` (those chkq
+    may recreate) has a version 2 header. The high bound is the library's
+    latest, so that nothing the template holds is refused.
+    """
+    superblock = template.id.get_create_plist().get_version()[0]
+    low = _SUPERBLOCK_LOW.get(superblock, "latest")
+    if low == "earliest" and any(h5o.get_info(template[name].id).hdr.version >= 2
+                                 for name in datasets):
+        low = "v108"
+    return low, "latest"
+
+
+def header_version(bounds: tuple[str, str]) -> int:
+    """The object header version HDF5 gives objects created under ``bounds``."""
+    return 1 if bounds[0] == "earliest" else 2
 
 
 def dataset_mode(dsid: h5d.DatasetID) -> str:
@@ -172,31 +202,30 @@ def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
 
 
 def _holds_references(out: h5py.File) -> bool:
-    """Whether any attribute or dataset of the file holds references (to any object)."""
-    found = False
+    """Whether any attribute or dataset of the file holds references (to any object).
 
-    def visit(name: bytes, info: h5o._ObjInfo) -> int | None:
-        nonlocal found
+    The root's own attributes count too.
+    """
+    for name, kind in [(b".", h5o.TYPE_GROUP), *walk_objects(out.id, repr(out.filename))]:
         obj = h5o.open(out.id, name)
         for index in range(h5a.get_num_attrs(obj)):
             if has_reference(h5a.open(obj, index=index).get_type()):
-                found = True
-                return 1
-        if info.type == h5o.TYPE_DATASET and has_reference(obj.get_type()):
-            found = True
-            return 1
-        return None
-
-    h5o.visit(out.id, visit, info=True)
-    return found
+                return True
+        if kind == h5o.TYPE_DATASET and has_reference(obj.get_type()):
+            return True
+    return False
 
 
-def _recreatable(dataset: h5py.Dataset, file_has_references: bool) -> bool:
+def _recreatable(dataset: h5py.Dataset, file_has_references: bool,
+                 bounds: tuple[str, str]) -> bool:
     """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time.
 
     (Its modification time changes too, as it would by resizing it in place.)
+    A dataset whose object header has another version than the ones
+    ``bounds`` create is kept (a file may mix both).
     """
-    if file_has_references or h5o.get_info(dataset.id).rc != 1:
+    info = h5o.get_info(dataset.id)
+    if file_has_references or info.rc != 1 or info.hdr.version != header_version(bounds):
         return False
     dcpl = dataset.id.get_create_plist()
     fills = dcpl.get_fill_time() == h5d.FILL_TIME_ALLOC or (
@@ -245,7 +274,7 @@ def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
 
 
 def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
-                    raw: set[str]) -> tuple[dict[str, list[int]], int]:
+                    raw: set[str]) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
     """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
 
     Parameters
@@ -257,8 +286,9 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
 
     Returns
     -------
-    For each raw-mode dataset, the file offset of every chunk; and the
-    inode of the temporary output.
+    For each raw-mode dataset, the file offset of every chunk; the inode of
+    the temporary output; and the format bounds (:func:`format_bounds`)
+    under which it was written, and must be whenever it is written again.
 
     Raises
     ------
@@ -267,7 +297,9 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
     """
     with h5py.File(reference, "r") as template:
         has_references = _holds_references(template) if raw else False
-        recreated = {name for name in raw if _recreatable(template[name], has_references)}
+        bounds = format_bounds(template, sorted(raw))
+        recreated = {name for name in raw
+                     if _recreatable(template[name], has_references, bounds)}
         skip = [r for name in recreated for r in _stored_ranges(template[name].id)]
         row_bytes = {name: template[name].id.get_type().get_size()
                      * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
@@ -275,7 +307,7 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
     reserve_space(temp, os.stat(reference).st_size
                   + sum(total * row_bytes[name] for name, total in rows.items()))
     layout: dict[str, list[int]] = {}
-    with h5py.File(temp, "r+") as out:
+    with h5py.File(temp, "r+", libver=bounds) as out:
         if os.fstat(out.id.get_vfd_handle()).st_ino != inode:
             raise FileExistsError(f"{str(temp)!r} was replaced while the job created it")
         for name, total in rows.items():
@@ -290,4 +322,4 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
                     _allocate_by_writing(dsid)
             if name in raw:
                 layout[name] = chunk_offsets(dsid)
-    return layout, inode
+    return layout, inode, bounds
