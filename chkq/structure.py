@@ -52,6 +52,10 @@ class FileScan:
         types: the SHA-256 of their rows as HDF5 reads them (in name order,
         :func:`chkq.rowio.digest_rows`), against which the output is
         verified without opening the file again; else "".
+    memory
+        The largest :func:`memory_need` of the file's extensible datasets
+        and that dataset's name ([0, ""] for none): the planner refuses a
+        run that needs more than a task's block.
     """
 
     path: Path
@@ -59,6 +63,7 @@ class FileScan:
     rows: dict[str, int] = field(default_factory=dict)
     plain_chunks: dict[str, list[int]] = field(default_factory=dict)
     digest: str = ""
+    memory: tuple[int, str] = (0, "")
 
     @property
     def extensible(self) -> list[str]:
@@ -103,8 +108,10 @@ MAX_FILTER_RATIO = 1100
 #: Most bytes of extensible rows a file may hold for its scan to digest them.
 DIGEST_FILE_BYTES = 1024 * 1024
 
-#: Bytes of rows a dataset may declare beyond what it stores (rows never written read as
-#: the fill value): enough for datasets created ahead of their data, not for forged sizes.
+#: Bytes of extensible rows a file may declare in chunks it does not store (rows never
+#: written read as the fill value), all its datasets together: enough for datasets created
+#: ahead of their data, not for forged sizes. An output is thus at most its sources'
+#: bytes (decoded) plus this much per file.
 UNWRITTEN_SLACK = 16 * 1024 * 1024
 
 
@@ -199,37 +206,80 @@ def refuse_outside_storage(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
                          "consolidate external storage")
 
 
-def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
-                  tid: h5t.TypeID) -> None:
-    """Refuse an extensible dataset chkq cannot copy exactly, or that declares rows it lacks.
-
-    Besides data outside the file (:func:`refuse_outside_storage`), a filter
-    without a plugin cannot be decoded, and a dataset that declares far more
-    rows than its stored bytes could hold would make chkq allocate and copy
-    data that does not exist. (Fixed datasets are taken from the template
-    only, which the planner checks.) ``dcpl`` and ``tid`` are the dataset's
-    creation properties and type.
-    """
-    refuse_outside_storage(path, name, dcpl)
-    where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
-    filtered = dcpl.get_nfilters() > 0
+def check_filters(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
+    """Refuse a dataset whose filters no installed plugin decodes (naming the filter)."""
     for index in range(dcpl.get_nfilters()):
         code, _flags, _values, label = dcpl.get_filter(index)
         if not h5z.filter_avail(code):
             text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
-            raise ValueError(f"{where} uses filter {code} ({text or 'unnamed'}), which no "
-                             "installed plugin can decode")
-    space = dsid.get_space()
-    declared = tid.get_size() * element_count(space.shape)
-    if declared == 0 or dcpl.get_layout() != h5d.CHUNKED:
-        return
-    chunk_bytes = tid.get_size() * element_count(dcpl.get_chunk())
-    stored = dsid.get_storage_size()
-    limit = (stored * MAX_FILTER_RATIO if filtered else stored) + max(chunk_bytes,
-                                                                      UNWRITTEN_SLACK)
-    if declared > limit:
-        raise ValueError(f"{where} declares {space.shape[0]} rows ({declared} bytes) but "
-                         f"stores only {stored} bytes: the file is damaged or forged")
+            raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} uses filter "
+                             f"{code} ({text or 'unnamed'}), which no installed plugin can "
+                             "decode")
+
+
+def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
+                  tid: h5t.TypeID) -> None:
+    """Refuse an extensible dataset chkq cannot copy exactly (data outside, filter missing).
+
+    Besides data outside the file (:func:`refuse_outside_storage`), a filter
+    without a plugin cannot be decoded. What its rows cost is checked by
+    :func:`declared_bytes`. ``dcpl`` and ``tid`` are the dataset's creation
+    properties and type.
+    """
+    refuse_outside_storage(path, name, dcpl)
+    check_filters(path, name, dcpl)
+
+
+def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
+                   tid: h5t.TypeID) -> int:
+    """Bytes a chunked dataset declares in chunks it does not store; refuse a forged one.
+
+    Each stored chunk holds its share of the dataset's extent (clipped at
+    the edges); the rest of the extent lies in chunks that are not stored,
+    which read as the fill value without costing a byte of the file. Those
+    are what the caller bounds (:data:`UNWRITTEN_SLACK` per file). The
+    stored chunks must hold their share: unfiltered, that is their size;
+    filtered, at most :data:`MAX_FILTER_RATIO` times it. The walk visits
+    stored chunks only, so it costs what the file holds, whatever it
+    declares. Not chunked: 0 (contiguous and compact data is read only
+    where it is stored).
+
+    Raises
+    ------
+    ValueError
+        If the stored chunks declare more than their bytes could hold.
+    """
+    shape = dsid.shape
+    if dcpl.get_layout() != h5d.CHUNKED or not shape or 0 in shape:
+        return 0
+    chunk = dcpl.get_chunk()
+    size = tid.get_size()
+    held, stored = 0, 0
+
+    def record(info: h5d.StoreInfo) -> None:
+        nonlocal held, stored
+        held += size * element_count([min(c, extent - o) for o, c, extent
+                                      in zip(info.chunk_offset, chunk, shape, strict=True)])
+        stored += int(info.size)
+
+    dsid.chunk_iter(record)
+    if held > stored * (MAX_FILTER_RATIO if dcpl.get_nfilters() else 1):
+        raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
+                         f"{held} bytes in chunks that store only {stored} bytes: the file "
+                         "is damaged or forged")
+    return size * element_count(shape) - held
+
+
+def memory_need(dcpl: h5p.PropDCID, tid: h5t.TypeID, shape: tuple[int, ...]) -> int:
+    """Bytes one task must hold at once to move an extensible dataset's rows.
+
+    One row; for a filtered dataset, one chunk's rows across the whole row
+    (HDF5 decodes whole chunks, and chkq encodes whole chunks of rows).
+    """
+    row = tid.get_size() * element_count(shape[1:])
+    if dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters():
+        return row * int(dcpl.get_chunk()[0])
+    return row
 
 
 def stored_chunks(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...]
@@ -315,6 +365,7 @@ def scan_file(path: Path, digest: bool = True) -> FileScan:
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
         extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID, tuple[int, ...]]] = {}
+        unwritten, worst = 0, (0, "", 0)
         try:
             for raw, kind in walk_objects(fid, f"checkpoint file {str(path)!r}"):
                 name = raw.decode("utf-8", "surrogateescape")
@@ -331,10 +382,17 @@ def scan_file(path: Path, digest: bool = True) -> FileScan:
                             f"dataset '/{name}' of checkpoint file {str(path)!r} is "
                             "unlimited along another axis than the first: chkq "
                             "concatenates rows along the first axis only")
+                    dcpl, tid = dsid.get_create_plist(), dsid.get_type()
+                    unstored = declared_bytes(path, name, dsid, dcpl, tid)
                     if extensible:
-                        dcpl, tid = dsid.get_create_plist(), dsid.get_type()
                         extensible_types[name] = (dsid, tid, space.shape)
                         check_storage(path, name, dsid, dcpl, tid)
+                        unwritten += unstored
+                        if unstored > worst[0]:
+                            worst = (unstored, name, int(space.shape[0]))
+                        need = memory_need(dcpl, tid, space.shape)
+                        if need > scan.memory[0]:
+                            scan.memory = (need, name)
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(tid)
                         scan.objects[name] = f"extensible {signature} {trailing}"
@@ -344,6 +402,12 @@ def scan_file(path: Path, digest: bool = True) -> FileScan:
                             scan.plain_chunks[name] = found
                     else:
                         scan.objects[name] = "fixed"
+            if unwritten > UNWRITTEN_SLACK:
+                raise ValueError(
+                    f"dataset '/{worst[1]}' of checkpoint file {str(path)!r} declares "
+                    f"{worst[2]} rows, {worst[0]} bytes of them in chunks the file does not "
+                    f"store (at most {UNWRITTEN_SLACK} bytes of rows may be unwritten in a "
+                    "file, all datasets together): the file is damaged or forged")
             scan.digest = _small_file_digest(extensible_types) if digest else ""
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
