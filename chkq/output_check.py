@@ -54,39 +54,49 @@ class FileModel:
 def _walk(fid: h5f.FileID, where: str) -> FileModel:
     """Every link reachable from the root (each group entered once) and its target.
 
-    A loop over an explicit stack of groups, never deeper than
-    ``MAX_DEPTH`` (the planning scan refused deeper files; a file that grew
-    deeper since is refused here too, without recursion).
+    Depth first, links by name (so that each object's first name is the
+    one ``H5Ovisit`` gives it), on an explicit stack of groups, never deeper
+    than ``MAX_DEPTH`` (the planning scan refused deeper files; a file that
+    grew deeper since is refused here too, without recursion).
     """
     model = FileModel()
     root = h5o.get_info(h5o.open(fid, b"/"))
     seen: set[tuple[int, int]] = {(root.fileno, _token(root))}
-    pending: list[tuple[str, int]] = [("", 0)]
-    while pending:
-        path, depth = pending.pop()
+    stack: list[tuple[h5g.GroupID, str, list[bytes], int]] = []
+
+    def enter(path: str) -> None:
         group = h5g.open(fid, path.encode("utf-8", "surrogateescape") if path else b"/")
         names: list[bytes] = []
         group.links.iterate(names.append)
-        for raw in names:
-            full = f"{path}/{raw.decode('utf-8', 'surrogateescape')}"
-            if depth >= MAX_DEPTH:
-                raise OutputMismatchError(f"{where} nests groups more than {MAX_DEPTH} "
-                                          f"levels deep (at {full[:120]!r})")
-            info = group.links.get_info(raw)
-            if info.type == h5l.TYPE_SOFT:
-                model.links[full] = ("soft", group.links.get_val(raw))
-            elif info.type == h5l.TYPE_EXTERNAL:
-                model.links[full] = ("external", group.links.get_val(raw))
-            elif info.type == h5l.TYPE_HARD:
-                oinfo = h5o.get_info(group, raw)
-                identity = (oinfo.fileno, _token(oinfo))
-                model.links[full] = ("hard", oinfo.type, info.cset)
-                model.objects[full] = identity
-                if oinfo.type == h5o.TYPE_GROUP and identity not in seen:
-                    seen.add(identity)
-                    pending.append((full, depth + 1))
-            else:
-                model.links[full] = ("user-defined", info.type)
+        stack.append((group, path, names, 0))
+
+    enter("")
+    while stack:
+        group, path, names, index = stack[-1]
+        if index == len(names):
+            stack.pop()
+            continue
+        stack[-1] = (group, path, names, index + 1)
+        raw = names[index]
+        full = f"{path}/{raw.decode('utf-8', 'surrogateescape')}"
+        if len(stack) > MAX_DEPTH:
+            raise OutputMismatchError(f"{where} nests groups more than {MAX_DEPTH} "
+                                      f"levels deep (at {full[:120]!r})")
+        info = group.links.get_info(raw)
+        if info.type == h5l.TYPE_SOFT:
+            model.links[full] = ("soft", group.links.get_val(raw))
+        elif info.type == h5l.TYPE_EXTERNAL:
+            model.links[full] = ("external", group.links.get_val(raw))
+        elif info.type == h5l.TYPE_HARD:
+            oinfo = h5o.get_info(group, raw)
+            identity = (oinfo.fileno, _token(oinfo))
+            model.links[full] = ("hard", oinfo.type, info.cset)
+            model.objects[full] = identity
+            if oinfo.type == h5o.TYPE_GROUP and identity not in seen:
+                seen.add(identity)
+                enter(full)
+        else:
+            model.links[full] = ("user-defined", info.type)
     return model
 
 
