@@ -9,6 +9,7 @@ planning step reuse it (see ``chkq.tasks.protocol``).
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from chkq.plan import (
     cut_verify_units,
     offsets_of,
 )
-from chkq.skeleton import create_skeleton, dataset_mode
+from chkq.skeleton import create_skeleton, dataset_mode, output_access
 from chkq.stamps import FileStamp, check_same, stamp_of
 from chkq.structure import (
     FileScan,
@@ -203,7 +204,7 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
         files.append([str(s.scan.path), skeletons.index(s.scan.objects),
                       list(s.scan.rows.values()), s.stamp.as_list(),
                       [s.scan.plain_chunks.get(name) for name in s.scan.rows], s.scan.digest,
-                      list(s.scan.memory)])
+                      list(s.scan.memory), list(s.scan.access)])
     return {"skeletons": skeletons, "files": files}
 
 
@@ -219,7 +220,8 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
         skeletons = [{str(k): str(v) for k, v in objects.items()}
                      for objects in record["skeletons"]]
         scanned = []
-        for path, index, rows, stamp, chunks, digest, (need, needy) in record["files"]:
+        for (path, index, rows, stamp, chunks, digest, (need, needy),
+             (mode, uid, gid)) in record["files"]:
             objects = skeletons[index]
             names = [n for n, kind in objects.items() if kind.startswith("extensible ")]
             if len(rows) != len(names) or not all(type(r) is int for r in rows):
@@ -227,7 +229,8 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
             plain = {name: [int(x) for x in found]
                      for name, found in zip(names, chunks, strict=True) if found is not None}
             scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)), plain,
-                            str(digest), (int(need), str(needy)))
+                            str(digest), (int(need), str(needy)),
+                            (int(mode), int(uid), int(gid)))
             scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed scan record: {exc}") from None
@@ -286,7 +289,9 @@ def scan_files(paths: list[Path]) -> list[ScannedFile]:
     for path in paths:
         stamp = stamp_of(path)
         scan = scan_file(path)
-        check_same(path, stamp, os.lstat(path), "changed while it was being planned")
+        st = os.lstat(path)
+        check_same(path, stamp, st, "changed while it was being planned")
+        scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
         scanned.append(ScannedFile(scan, stamp))
     return scanned
 
@@ -361,6 +366,7 @@ def prepare(
     job.temp.unlink(missing_ok=True)
     layout, inode, bounds = create_skeleton(
         job.temp, reference,
+        access=output_access([s.scan.access for s in scanned], os.stat(job.out_dir)),
         rows={d.name: d.total for d in datasets},
         raw={d.name for d in datasets if d.mode == "raw"},
     )

@@ -24,6 +24,7 @@ in the file, so they cost neither time nor disk.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -136,18 +137,65 @@ def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
     return offsets
 
 
-def copy_template(reference: Path, temp: Path, skip: list[tuple[int, int]] | None = None) -> int:
+def output_access(files: list[tuple[int, int, int]], run: os.stat_result
+                  ) -> tuple[int, int, int]:
+    """The permission bits, owner and group the output gets: never more readable than its sources.
+
+    ``files`` holds each checkpoint file's ``(permission bits, uid, gid)``
+    and ``run`` is the run directory's status. The bits are those every
+    checkpoint has (no execute, setuid, setgid or sticky bit), plus read
+    and write for the owner (the job writes the output after creating it);
+    the owner is the run directory's, the group the checkpoints' own when
+    they all share one (else -1: none, and the output gets no group bits).
+    """
+    mode = 0o666
+    for bits, _uid, _gid in files:
+        mode &= bits
+    groups = {gid for _bits, _uid, gid in files}
+    return mode | 0o600, run.st_uid, groups.pop() if len(groups) == 1 else -1
+
+
+def _apply_access(fd: int, access: tuple[int, int, int]) -> None:
+    """Give the new output ``access`` (:func:`output_access`) as far as the worker may.
+
+    The owner and group change where the worker may change them (a worker
+    running as root or as the run's owner); where it may not, the output
+    stays the worker's, and group bits are dropped when its group is not
+    the checkpoints' own, so that no other group can read it.
+    """
+    mode, uid, gid = access
+    st = os.fstat(fd)
+    want_uid = uid if uid >= 0 else st.st_uid
+    want_gid = gid if gid >= 0 else st.st_gid
+    if (want_uid, want_gid) != (st.st_uid, st.st_gid):
+        try:
+            os.fchown(fd, want_uid, want_gid)
+        except PermissionError:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, want_gid)
+        st = os.fstat(fd)
+    if gid < 0 or st.st_gid != gid:
+        mode &= ~0o070
+    os.fchmod(fd, mode)
+
+
+def copy_template(reference: Path, temp: Path, skip: list[tuple[int, int]] | None = None,
+                  access: tuple[int, int, int] = (0o600, -1, -1)) -> int:
     """Copy ``reference``'s bytes to a new file ``temp``; return the new file's inode.
 
     Byte ranges ``(offset, size)`` in ``skip`` (rows that will be replaced)
     are not copied: they stay holes. ``temp`` is created with
     O_EXCL|O_NOFOLLOW: a file or symbolic link already there (planted by
     whoever can write the run directory) is never followed or overwritten.
-    The source is opened without following a link.
+    It is created 0600 and given ``access`` (:func:`output_access`) through
+    its descriptor before anything is written, so that it is never more
+    readable than the checkpoints, not even for a moment. The source is
+    opened without following a link.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    out = os.open(temp, flags, 0o644)
+    out = os.open(temp, flags, 0o600)
     try:
+        _apply_access(out, access)
         src = os.open(reference, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             size = os.fstat(src).st_size
@@ -273,8 +321,9 @@ def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
         dsid.write(h5s.create_simple((count, *shape[1:])), fspace, block[:count], mtype=tid)
 
 
-def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
-                    raw: set[str]) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
+def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[str],
+                    access: tuple[int, int, int] = (0o600, -1, -1)
+                    ) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
     """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
 
     Parameters
@@ -283,6 +332,8 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
         Total rows of every extensible dataset.
     raw
         The raw-mode datasets, whose chunks must all be allocated.
+    access
+        The output's permission bits, owner and group (:func:`output_access`).
 
     Returns
     -------
@@ -303,7 +354,7 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
         skip = [r for name in recreated for r in _stored_ranges(template[name].id)]
         row_bytes = {name: template[name].id.get_type().get_size()
                      * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
-    inode = copy_template(reference, temp, skip)
+    inode = copy_template(reference, temp, skip, access)
     reserve_space(temp, os.stat(reference).st_size
                   + sum(total * row_bytes[name] for name, total in rows.items()))
     layout: dict[str, list[int]] = {}

@@ -56,6 +56,10 @@ class FileScan:
         The largest :func:`memory_need` of the file's extensible datasets
         and that dataset's name ([0, ""] for none): the planner refuses a
         run that needs more than a task's block.
+    access
+        The file's permission bits, owner and group (``st_mode & 0o7777``,
+        ``st_uid``, ``st_gid``), from which the output's are derived
+        (:func:`chkq.skeleton.output_access`); ``(0, -1, -1)`` if not taken.
     """
 
     path: Path
@@ -64,6 +68,7 @@ class FileScan:
     plain_chunks: dict[str, list[int]] = field(default_factory=dict)
     digest: str = ""
     memory: tuple[int, str] = (0, "")
+    access: tuple[int, int, int] = (0, -1, -1)
 
     @property
     def extensible(self) -> list[str]:
