@@ -320,6 +320,9 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     if tuple(chunk[1:]) != tuple(shape[1:]):
         return None
     chunk_bytes = element_size * element_count(chunk)
+    if dsid.get_num_chunks() != element_count([-(-n // c) for n, c in zip(shape, chunk,
+                                                                          strict=True)]):
+        return None  # some chunk is not stored (the grid itself is not walked)
     offsets = [int(chunk[0])]
     for _, info in stored_chunks(dsid, chunk, shape):
         if (info is None or info.byte_offset is None or info.size != chunk_bytes
