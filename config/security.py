@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 from chkq.config.settings import Settings
 
+#: What the job-record key is derived for (HKDF's ``info``): a key for nothing else.
+RECORD_KEY_INFO = b"chkq job records v1"
+
 if TYPE_CHECKING:
     from celery import Celery
 
@@ -107,3 +110,36 @@ def install_signing(app: Celery, settings: Settings) -> None:
     strict = StrictSecureSerializer(key, cert, store, DIGEST, serializer="json")
     registry.register("auth", strict.serialize, strict.deserialize,
                       content_type="application/data", content_encoding="utf-8")
+
+
+def record_key(settings: Settings) -> bytes | None:
+    """The key job records in Redis are authenticated with, or None when signing is off.
+
+    HKDF-SHA256 of the signing private key (``CHKQ_SECURITY_KEY``, its
+    PKCS#8 DER bytes), for :data:`RECORD_KEY_INFO` only: whoever holds the
+    signing key can derive it, the Redis password gives nothing of it, and
+    knowing it reveals nothing of the private key. Clients and workers hold
+    the same signing key, so both write records the other accepts.
+
+    Raises
+    ------
+    ValueError
+        If the key file cannot be read or is not a PEM private key.
+    """
+    if not settings.signing:
+        return None
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    assert settings.security_key
+    pem = _read(settings.security_key, "private key (CHKQ_SECURITY_KEY)")
+    try:
+        private = serialization.load_pem_private_key(pem.encode(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"CHKQ_SECURITY_KEY {settings.security_key!r} is not a PEM "
+                         f"private key without a passphrase: {exc}") from None
+    material = private.private_bytes(serialization.Encoding.DER,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=RECORD_KEY_INFO).derive(material)
