@@ -300,7 +300,7 @@ job = fresh[0]
 info = json.loads(client.get(f"chkq-job-{job}").split(b" ", 2)[2])
 run, model = info["out_dir"], info["model"]
 private = os.environ["ATTACK_PRIVATE"]
-code = b"chkq1 " + b"0" * 64 + b" "
+code = b"chkq1 - " if os.environ.get("ATTACK_UNSEALED") else b"chkq1 " + b"0" * 64 + b" "
 files = [[1, f"{run}/{model}_chk00001.h5", [f"{run}/{model}_chk00001.h5"]],
          [4, f"{run}/../../private/{os.path.basename(private)}",
           [f"{run}/../../private/{os.path.basename(private)}"]],
@@ -341,6 +341,7 @@ class Deployment:
     started: list[WorkerProcess] = dataclasses.field(default_factory=list)
 
     def start_workers(self) -> WorkerProcess:
+        """A worker serving every queue (signed unless the deployment's ``env`` is empty)."""
         worker = SignedWorker(self.redis.url, self.logs,
                               {**self.env, "CHKQ_ALLOWED_ROOTS": str(self.run.parent)})
         self.started.append(worker)
@@ -361,11 +362,15 @@ class Deployment:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def attack(self, mode: str, genuine_done: str = "") -> subprocess.Popen[bytes]:
-        """The attacker, started: the Redis URL with its password, no key, its own account."""
+        """The attacker, started: the Redis URL with its password, no key, its own account.
+
+        Against a deployment without signing, it writes records with the empty seal.
+        """
         environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                        "HOME": str(self.attacker.home), "ATTACK_REDIS": self.redis.url,
                        "ATTACK_PRIVATE": str(self.private), "ATTACK_MODE": mode,
-                       "ATTACK_GENUINE_DONE": genuine_done}
+                       "ATTACK_GENUINE_DONE": genuine_done,
+                       "ATTACK_UNSEALED": "" if self.env else "1"}
         return subprocess.Popen([sys.executable, "-c", ATTACKER], env=environment,
                                 cwd=self.attacker.home, user=self.attacker.uid,
                                 group=self.attacker.gid, extra_groups=[],
@@ -474,6 +479,25 @@ def test_a_done_marker_moved_from_another_job_is_no_success(deployment: Deployme
     assert failed["type"] == "ForgedRecordError", failed
     assert snapshot(deployment.run) == before
     assert not (deployment.run / "run.h5").exists()
+
+
+def test_without_signing_paths_from_records_stay_in_the_run(deployment: Deployment) -> None:
+    """No signing: the attacker's records pass the (empty) seal, but every path read from
+    them is checked where it is used, so no file outside the run is read or deleted."""
+    deployment.env = {}
+    before, private_before = snapshot(deployment.run), deployment.private.read_bytes()
+    attacker = deployment.attack("records")
+    client = deployment.consolidate(deployment.run, "--cleanup")
+    job = _finish(attacker, 100)[1].split()[0]
+    deployment.start_workers()
+    code, output = _finish(client)
+    assert code == 1, output
+    _no_success(deployment.run, output)
+    assert "../../private/V_chk00004.h5" in output and "not a checkpoint file of model" in output
+    assert _wait_failed(deployment, job)["type"] == "ValueError"
+    assert snapshot(deployment.run) == before
+    assert deployment.private.read_bytes() == private_before
+    assert _files_holding(deployment.run.parent, deployment.marker) == []
 
 
 def _no_success(run: Path, output: str) -> None:
