@@ -306,6 +306,11 @@ files = [[1, f"{run}/{model}_chk00001.h5", [f"{run}/{model}_chk00001.h5"]],
           [f"{run}/../../private/{os.path.basename(private)}"]],
          [9, f"{run}/notes.h5", [f"{run}/notes.h5"]]]
 mode = os.environ["ATTACK_MODE"]
+if mode == "omit":
+    first = f"{run}/{model}_chk00001"
+    client.set(f"chkq-job-{job}-run", code + json.dumps(
+        {"out_dir": run, "model": model,
+         "checkpoints": [[1, first, [f"{first}/thread_0000.h5"]]]}).encode())
 if mode in ("records", "all"):
     client.set(f"chkq-job-{job}-run", code + json.dumps(
         {"out_dir": run, "model": model, "checkpoints": files}).encode())
@@ -498,6 +503,23 @@ def test_without_signing_paths_from_records_stay_in_the_run(deployment: Deployme
     assert snapshot(deployment.run) == before
     assert deployment.private.read_bytes() == private_before
     assert _files_holding(deployment.run.parent, deployment.marker) == []
+
+
+def test_without_signing_a_run_list_that_omits_checkpoints_is_refused(
+        deployment: Deployment) -> None:
+    """No signing: a well-formed run list naming one file of the run (the issue's 1-row
+    output whose cleanup deleted every checkpoint) is refused once compared with the run."""
+    deployment.env = {}
+    before = snapshot(deployment.run)
+    attacker = deployment.attack("omit")
+    client = deployment.consolidate(deployment.run, "--cleanup")
+    job = _finish(attacker, 100)[1].split()[0]
+    deployment.start_workers()
+    code, output = _finish(client)
+    assert code == 1, output
+    _no_success(deployment.run, output)
+    assert f"the checkpoints recorded for job {job} are not the run's" in output, output
+    assert snapshot(deployment.run) == before
 
 
 def _no_success(run: Path, output: str) -> None:
