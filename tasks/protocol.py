@@ -279,36 +279,31 @@ def check_recorded_path(path: Any, out_dir: str, model: str, what: str) -> Path:
 
     By discovery's rules: ``OUT_DIR/MODEL_chkNNNNN.h5`` or
     ``OUT_DIR/MODEL_chkNNNNN/NAME.h5`` (``NAME`` not starting with a dot),
-    spelled exactly (absolute, no ``..``, ``.`` or doubled ``/``), and
-    inside ``CHKQ_ALLOWED_ROOTS`` with links resolved. ``out_dir`` is the
-    message's directory, already resolved and checked.
+    spelled exactly (absolute, no ``..``, ``.`` or doubled ``/``).
+    ``out_dir`` is a directory with its links resolved, checked against
+    ``CHKQ_ALLOWED_ROOTS`` by the caller (once, not per file: a path spelled
+    so lies lexically inside it, and discovery refuses checkpoints that are
+    links and no open follows one).
 
     Raises
     ------
     ValueError
         Naming the path and the record it came from (``what``).
-    PermissionError
-        If it resolves outside the allowed roots.
     """
     text = path if isinstance(path, str) else ""
-    parts: tuple[str, ...] = ()
-    if text and "\x00" not in text and os.path.isabs(text) and os.path.normpath(text) == text:
-        with_dir = Path(text)
-        if with_dir.is_relative_to(out_dir):
-            parts = with_dir.relative_to(out_dir).parts
-    pattern = checkpoint_pattern(model)
-    first = pattern.fullmatch(parts[0]) if parts else None
-    if len(parts) == 1:
-        good = first is not None and first.group(2) is not None
-    elif len(parts) == 2:
-        good = (first is not None and first.group(2) is None and parts[1].endswith(".h5")
-                and not parts[1].startswith("."))
-    else:
+    # Each component must match a checkpoint name, none of which is "", "." or "..".
+    parts = text[len(out_dir) + 1:].split("/") if text.startswith(out_dir + "/") else []
+    first = checkpoint_pattern(model).fullmatch(parts[0]) if parts else None
+    if "\x00" in text or first is None:
         good = False
+    elif len(parts) == 1:
+        good = first.group(2) is not None
+    else:
+        good = (len(parts) == 2 and first.group(2) is None and parts[1].endswith(".h5")
+                and not parts[1].startswith("."))
     if not good:
         raise ValueError(f"{what} names {path!r}, which is not a checkpoint file of model "
                          f"{model!r} in {out_dir!r}: refused")
-    check_allowed(text, get_settings().allowed_roots)
     return Path(text)
 
 
@@ -318,8 +313,10 @@ def check_recorded_checkpoints(checkpoints: list[Checkpoint], out_dir: str, mode
 
     Every file passes :func:`check_recorded_path`; a checkpoint is its file
     (``MODEL_chkNNNNN.h5``) or the directory holding its files, and its
-    number is the one in its name.
+    number is the one in its name. ``out_dir`` must resolve inside
+    ``CHKQ_ALLOWED_ROOTS`` (PermissionError if not).
     """
+    check_allowed(out_dir, get_settings().allowed_roots)
     pattern = checkpoint_pattern(model)
     for checkpoint in checkpoints:
         match = pattern.fullmatch(checkpoint.path.name)
@@ -342,6 +339,10 @@ def _check_plan_paths(plan: Plan, job: str) -> Plan:
     what = f"the plan of job {job} ({_key(job, 'plan')})"
     if plan.job_id != job:
         raise ValueError(f"{what} is the plan of job {plan.job_id!r}: refused")
+    if not isinstance(plan.out_dir, str) or os.path.realpath(plan.out_dir) != plan.out_dir:
+        raise ValueError(f"{what} names a run directory {plan.out_dir!r} that is not resolved: "
+                         "refused")
+    check_allowed(plan.out_dir, get_settings().allowed_roots)
     try:
         named = {str(check_recorded_path(f[0], plan.out_dir, plan.model, what))
                  for f in plan.files}

@@ -37,6 +37,7 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import COPY_QUEUE
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
+from chkq.discovery import Checkpoint
 from chkq.errors import CheckpointChangedError
 from chkq.naming import JobFiles, discard_job_files
 from chkq.tasks import protocol
@@ -212,8 +213,26 @@ def test_checkpoint_paths_from_records_that_pass(tmp_path: Path,
     for good in (f"{run}/run_chk00001.h5", f"{run}/run_chk00002/w0.h5"):
         assert str(protocol.check_recorded_path(good, run, MODEL, "r")) == good
     _use(monkeypatch, allowed_roots=(str(tmp_path / "elsewhere"),))
+    checkpoint = Checkpoint(1, Path(run) / "run_chk00001.h5", (Path(run) / "run_chk00001.h5",))
     with pytest.raises(PermissionError, match="CHKQ_ALLOWED_ROOTS"):
-        protocol.check_recorded_path(f"{run}/run_chk00001.h5", run, MODEL, "r")
+        protocol.check_recorded_checkpoints([checkpoint], run, MODEL, "r")
+
+
+@pytest.mark.parametrize("entry", [
+    [1, "{run}/run_chk00002.h5", ["{run}/run_chk00002.h5"]],        # number not its name's
+    [1, "{run}/run_chk00001", ["{run}/run_chk00002/w.h5"]],          # file of another one
+    [1, "{run}/run_chk00001.h5", ["{run}/run_chk00001/w.h5"]],       # file in a file
+    [1, "{run}/run_chk00001", []],                                   # no files
+])
+def test_checkpoints_from_records_must_be_the_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, entry: list[Any]) -> None:
+    _use(monkeypatch, allowed_roots=(str(tmp_path),))
+    run = str(tmp_path / RUN)
+    number, where, files = entry
+    checkpoint = Checkpoint(number, Path(where.format(run=run)),
+                            tuple(Path(f.format(run=run)) for f in files))
+    with pytest.raises(ValueError, match="not a checkpoint of model 'run'"):
+        protocol.check_recorded_checkpoints([checkpoint], run, MODEL, "the run record")
 
 
 def test_discard_leaves_planted_directories_and_links(tmp_path: Path) -> None:
