@@ -319,7 +319,8 @@ job = fresh[0]
 info = json.loads(client.get(f"chkq-job-{job}").split(b" ", 2)[2])
 run, model = info["out_dir"], info["model"]
 private = os.environ["ATTACK_PRIVATE"]
-code = b"chkq1 - " if os.environ.get("ATTACK_UNSEALED") else b"chkq1 " + b"0" * 64 + b" "
+# The record format is public: the attacker writes it with the seal of an unsigned deployment.
+code = b"chkq1 - "
 files = [[1, f"{run}/{model}_chk00001.h5", [f"{run}/{model}_chk00001.h5"]],
          [4, f"{run}/../../private/{os.path.basename(private)}",
           [f"{run}/../../private/{os.path.basename(private)}"]],
@@ -330,13 +331,17 @@ if mode == "omit":
     client.set(f"chkq-job-{job}-run", code + json.dumps(
         {"out_dir": run, "model": model,
          "checkpoints": [[1, first, [f"{first}/thread_0000.h5"]]]}).encode())
-if mode in ("records", "all"):
+if mode == "records":
     client.set(f"chkq-job-{job}-run", code + json.dumps(
         {"out_dir": run, "model": model, "checkpoints": files}).encode())
-    client.hset(f"chkq-job-{job}-scanned", "0", json.dumps(
-        {"skeletons": [], "files": [[f[1], 0, [1], [1, 1, 1, 1, 1], [None], ""]
-                                    for f in files]}))
-if mode in ("done", "all"):
+if mode == "scans":
+    def one(n):
+        return [f"{run}/{model}_chk{n:05d}.h5", 0, [1], [1, 1, 1, 1, 1], [None], ""]
+    for unit, numbers in enumerate((range(1, 257), range(257, 261))):
+        client.hset(f"chkq-job-{job}-scanned", str(unit), code + json.dumps(
+            {"skeletons": [{"trials": "extensible float64"}],
+             "files": [one(n) for n in numbers]}).encode())
+if mode == "done":
     genuine = os.environ.get("ATTACK_GENUINE_DONE")
     value = client.get(genuine) if genuine else None
     client.set(f"chkq-job-done-{job}", value or code + json.dumps(
@@ -386,15 +391,11 @@ class Deployment:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def attack(self, mode: str, genuine_done: str = "") -> subprocess.Popen[bytes]:
-        """The attacker, started: the Redis URL with its password, no key, its own account.
-
-        Against a deployment without signing, it writes records with the empty seal.
-        """
+        """The attacker, started: the Redis URL with its password, no key, its own account."""
         environment = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                        "HOME": str(self.attacker.home), "ATTACK_REDIS": self.redis.url,
                        "ATTACK_PRIVATE": str(self.private), "ATTACK_MODE": mode,
-                       "ATTACK_GENUINE_DONE": genuine_done,
-                       "ATTACK_UNSEALED": "" if self.env else "1"}
+                       "ATTACK_GENUINE_DONE": genuine_done}
         return subprocess.Popen([sys.executable, "-c", ATTACKER], env=environment,
                                 cwd=self.attacker.home, user=self.attacker.uid,
                                 group=self.attacker.gid, extra_groups=[],
@@ -453,9 +454,9 @@ def test_a_job_with_signed_records_succeeds(deployment: Deployment) -> None:
     assert (deployment.run / "run.h5").exists()
 
 
-def test_forged_run_list_and_scans_are_refused(deployment: Deployment) -> None:
+def test_a_forged_run_list_is_refused(deployment: Deployment) -> None:
     """The issue's attack: a run list with a ``..`` entry to the victim's 0600 file outside
-    the roots, forged scans, a forged done marker; the job runs with ``--cleanup``."""
+    the roots and an unrelated file of the run; the job runs with ``--cleanup``."""
     before, private_before = snapshot(deployment.run), deployment.private.read_bytes()
     attacker = deployment.attack("records")
     client = deployment.consolidate(deployment.run, "--cleanup")
@@ -476,7 +477,27 @@ def test_forged_run_list_and_scans_are_refused(deployment: Deployment) -> None:
     assert not (deployment.run / "run.h5").exists()
     assert _files_holding(deployment.run.parent, deployment.marker) == []
     assert _files_holding(deployment.attacker.home, deployment.marker) == []
-    assert deployment.redis.client().get(f"chkq-job-done-{job}") is None
+
+
+def test_forged_scans_of_a_large_run_are_refused(deployment: Deployment) -> None:
+    """A run of 260 files is scanned by scan units; the attacker pre-writes their records
+    (one row a file, made-up stamps) before any unit runs."""
+    large = deployment.run.parent / "large"
+    make_run(large, MODEL, RunShape(checkpoints=260, trials=3))
+    deployment.victim.chown_tree(large)
+    large.chmod(0o755)
+    before = snapshot(large)
+    attacker = deployment.attack("scans")
+    client = deployment.consolidate(large, "--cleanup")
+    job = _finish(attacker, 100)[1].split()[0]
+    deployment.start_workers()
+    code, output = _finish(client)
+    assert code == 1, output
+    _no_success(large, output)
+    assert f"error: job record chkq-job-{job}-scanned[" in output, output
+    assert _wait_failed(deployment, job)["type"] == "ForgedRecordError"
+    assert snapshot(large) == before
+    assert not (large / "run.h5").exists()
 
 
 def test_a_done_marker_moved_from_another_job_is_no_success(deployment: Deployment) -> None:
@@ -501,6 +522,9 @@ def test_a_done_marker_moved_from_another_job_is_no_success(deployment: Deployme
     assert f"chkq-job-done-{job}" in output and "refused" in output, output
     failed = _wait_failed(deployment, job)
     assert failed["type"] == "ForgedRecordError", failed
+    assert f"chkq-job-done-{job}" in failed["message"]
+    _wait(lambda: deployment.redis.client().get(f"chkq-job-done-{job}") is None,
+          "removal of the planted done marker")
     assert snapshot(deployment.run) == before
     assert not (deployment.run / "run.h5").exists()
 
