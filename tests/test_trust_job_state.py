@@ -40,6 +40,7 @@ from chkq.demo import RunShape, make_run
 from chkq.discovery import Checkpoint
 from chkq.errors import CheckpointChangedError
 from chkq.naming import JobFiles, discard_job_files
+from chkq.plan import Plan
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port
@@ -86,6 +87,7 @@ def _self_signed(directory: Path, name: str) -> dict[str, str]:
 def fake(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
     server = fakeredis.FakeRedis()
     monkeypatch.setattr(protocol, "_client", lambda: server)
+    monkeypatch.setattr(protocol, "_PLANS", type(protocol._PLANS)())
     return server
 
 
@@ -233,6 +235,41 @@ def test_checkpoints_from_records_must_be_the_runs(
                             tuple(Path(f.format(run=run)) for f in files))
     with pytest.raises(ValueError, match="not a checkpoint of model 'run'"):
         protocol.check_recorded_checkpoints([checkpoint], run, MODEL, "the run record")
+
+
+def _plan(job: str, run: str, files: list[str], checkpoints: list[Any]) -> Plan:
+    return Plan(job, MODEL, run, True, 1 << 20, checkpoints,
+                [[f, 1, 1, 1, 1, 1] for f in files], files[0], [], [], [])
+
+
+def test_a_plan_written_without_the_key_is_refused(
+        fake: fakeredis.FakeRedis, signed: dict[str, str], tmp_path: Path) -> None:
+    run = str(tmp_path)
+    good = f"{run}/run_chk00001.h5"
+    forged = _plan(JOB_A, run, [good], [[1, good, False]])
+    fake.set(f"chkq-job-{JOB_A}-plan", b"chkq1 - " + forged.to_json().encode())
+    with pytest.raises(protocol.ForgedRecordError, match=f"chkq-job-{JOB_A}-plan"):
+        protocol.load_plan(JOB_A, run, MODEL)
+
+
+@pytest.mark.parametrize("bad", ["files", "checkpoints", "job", "out_dir"])
+def test_a_sealed_plan_naming_other_files_is_refused(
+        fake: fakeredis.FakeRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        bad: str) -> None:
+    """Without signing anyone may write a plan: its paths are still checked when read."""
+    _use(monkeypatch, allowed_roots=(str(tmp_path),))
+    run = str(tmp_path / RUN)
+    os.makedirs(run)
+    good, escape = f"{run}/run_chk00001.h5", f"{run}/../victim_chk00001.h5"
+    plan = _plan(JOB_A, run, [escape] if bad == "files" else [good],
+                 [[1, "/etc", False] if bad == "checkpoints" else [1, good, False]])
+    if bad == "job":
+        plan.job_id = JOB_B
+    if bad == "out_dir":
+        plan.out_dir = f"{run}/../{RUN}"
+    fake.set(f"chkq-job-{JOB_A}-plan", b"chkq1 - " + plan.to_json().encode())
+    with pytest.raises(ValueError, match="refused"):
+        protocol.recorded_plan(JOB_A)
 
 
 def test_discard_leaves_planted_directories_and_links(tmp_path: Path) -> None:
