@@ -468,7 +468,7 @@ def _discard_quietly(out_dir: str, model: str, job: str) -> list[Path]:
     """Remove the job's temporaries if its arguments can name them; never raise."""
     try:
         directory, model, job = _checked(out_dir, model, job)
-    except (ValueError, OSError) as bad:
+    except Exception as bad:  # noqa: BLE001 - bad arguments: nothing they name is touched
         log.warning("job=%s failed; its temporaries were left: %s", job, bad)
         return []
     try:
