@@ -1,4 +1,4 @@
-"""Signed task messages: broker write access alone runs nothing (SPEC, trust model).
+"""Signed task messages, and the key job records are sealed with: Redis access alone runs nothing.
 
 With ``CHKQ_SECURITY_KEY``, ``CHKQ_SECURITY_CERTIFICATE`` and
 ``CHKQ_SECURITY_CERT_STORE`` set, chkq uses Celery's message signing: every

@@ -2,7 +2,7 @@
 
 Everything a job's steps record lives here, in the result backend's Redis,
 where only workers (and clients, for submission) write — never in the run
-directory, whose owner is not trusted (SPEC "Trust model"):
+directory, whose owner is not trusted:
 
 ===============================  =============================================
 key                              what
