@@ -17,6 +17,10 @@ signed arguments to another task; chkq's tasks are idempotent and check their
 arguments, the time limits are the worker's (:mod:`chkq.config.limits`), and
 the Redis password keeps such parties off the broker in the first place.
 
+chkq's own job records in the result backend are not Celery's to sign: they
+are sealed with an HMAC under :func:`record_key`, derived from the same
+private key (:mod:`chkq.tasks.protocol`).
+
 Celery's ``auth`` deserializer decodes the signed bytes with the content type
 named *beside* the signature, outside what is signed, and with ``force=True``
 (no accept list). The serializer of :mod:`chkq.config.auth_serializer` accepts JSON only there, so
