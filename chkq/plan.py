@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
     from chkq.structure import FileScan
 
 PLAN_VERSION = 1
+#: Library version bounds a plan may name (h5py's ``libver`` values).
+LIBVER_NAMES = ("earliest", "v108", "v110", "v112", "v114", "v200", "latest")
 
 
 @dataclass
@@ -162,6 +164,10 @@ class Plan:
             raise ValueError(f"plan version {raw.get('version')!r} is not {PLAN_VERSION}")
         raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
         raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
+        libver = raw.get("libver", ["earliest", "latest"])
+        if (not isinstance(libver, list) or len(libver) != 2
+                or not all(bound in LIBVER_NAMES for bound in libver)):
+            raise ValueError(f"plan's format bounds {libver!r} are not two of {LIBVER_NAMES}")
         return cls(**raw)
 
 
