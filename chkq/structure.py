@@ -390,11 +390,11 @@ def scan_file(path: Path, digest: bool = True) -> FileScan:
                             f"dataset '/{name}' of checkpoint file {str(path)!r} is "
                             "unlimited along another axis than the first: chkq "
                             "concatenates rows along the first axis only")
-                    dcpl, tid = dsid.get_create_plist(), dsid.get_type()
-                    unstored = declared_bytes(path, name, dsid, dcpl, tid)
                     if extensible:
+                        dcpl, tid = dsid.get_create_plist(), dsid.get_type()
                         extensible_types[name] = (dsid, tid, space.shape)
                         check_storage(path, name, dsid, dcpl, tid)
+                        unstored = declared_bytes(path, name, dsid, dcpl, tid)
                         unwritten += unstored
                         if unstored > worst[0]:
                             worst = (unstored, name, int(space.shape[0]))
