@@ -27,7 +27,7 @@ from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
 
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
-from chkq.structure import MAX_DEPTH
+from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES
 
 MAX_LISTED = 5
 #: Bytes the check may hold at once when no block size is given (a task's ``block_bytes``).
@@ -406,7 +406,7 @@ def _compare_encoded_chunks(name: str, expected: h5d.DatasetID, actual: h5d.Data
     for offset in mine:
         sizes = (expected.get_chunk_info_by_coord(offset).size,
                  actual.get_chunk_info_by_coord(offset).size)
-        if sizes[0] != sizes[1] or sizes[0] > block_bytes // 2:
+        if sizes[0] != sizes[1] or sizes[0] > max(block_bytes, MIN_HOLD_BYTES) // 2:
             found.append(f"dataset {name!r}: its stored chunk at {offset} differs or is "
                          f"larger than a task may hold ({sizes[0]} bytes)")
             return

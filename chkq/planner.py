@@ -29,6 +29,7 @@ from chkq.plan import (
 from chkq.skeleton import create_skeleton, dataset_mode, output_access
 from chkq.stamps import FileStamp, check_same, stamp_of
 from chkq.structure import (
+    MIN_HOLD_BYTES,
     FileScan,
     check_same_structure,
     open_checkpoint_id,
@@ -83,14 +84,17 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
 def check_memory(scans: list[FileScan], block_bytes: int) -> None:
     """Refuse a run whose rows a task could not move within ``block_bytes`` at once.
 
+    (Or within :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger.)
+
     Raises
     ------
     ValueError
         Naming the file, the dataset and the bytes it needs (:func:`memory_need`).
     """
+    hold = max(block_bytes, MIN_HOLD_BYTES)
     for scan in scans:
         need, name = scan.memory
-        if need > block_bytes:
+        if need > hold:
             raise ValueError(
                 f"dataset '/{name}' of checkpoint file {str(scan.path)!r} needs {need} bytes "
                 f"in memory at once (one row, or one chunk's rows when filtered), more than "
@@ -103,7 +107,8 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
 
     The whole-output check reads every attribute at once (HDF5 reads no
     part of one), an element at least, and a whole chunk of a filtered
-    dataset (HDF5 decodes whole chunks); each must fit in ``block_bytes``.
+    dataset (HDF5 decodes whole chunks); each must fit in ``block_bytes`` (or in
+    :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger).
 
     Raises
     ------
@@ -111,13 +116,14 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
         Naming the object and the bytes it needs.
     """
     where = f"checkpoint file {str(reference)!r}"
+    hold = max(block_bytes, MIN_HOLD_BYTES)
     for raw, kind in [(b".", h5o.TYPE_GROUP), *walk_objects(fid, where)]:
         name = "" if raw == b"." else raw.decode("utf-8", "surrogateescape")
         obj = h5o.open(fid, raw)
         for index in range(h5a.get_num_attrs(obj)):
             attr = h5a.open(obj, index=index)
             need = attr.get_type().get_size() * attr.get_space().get_simple_extent_npoints()
-            if need > block_bytes:
+            if need > hold:
                 label = attr.name.decode("utf-8", "surrogateescape")
                 raise ValueError(f"attribute {label!r} of '/{name}' in {where} holds {need} "
                                  f"bytes, more than a task may hold (CHKQ_BLOCK_BYTES="
@@ -129,7 +135,7 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
         need = size
         if dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters():
             need = size * element_count(dcpl.get_chunk())
-        if need > block_bytes:
+        if need > hold:
             raise ValueError(f"dataset '/{name}' of {where} needs {need} bytes in memory at "
                              "once (one element, or one chunk when filtered), more than a task "
                              f"may hold (CHKQ_BLOCK_BYTES={block_bytes})")

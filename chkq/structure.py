@@ -110,6 +110,11 @@ _SIGNATURES: dict[bytes, str] = {}
 #: declares more rows than its stored bytes could hold at that ratio is refused.
 MAX_FILTER_RATIO = 1100
 
+#: Bytes a task may always hold at once for one row, element, attribute or chunk, however
+#: small ``CHKQ_BLOCK_BYTES`` is (a small block paces the work; it does not make a 1 MiB
+#: row unreadable). What is refused is what needs more than the larger of the two.
+MIN_HOLD_BYTES = 16 * 1024 * 1024
+
 #: Most bytes of extensible rows a file may hold for its scan to digest them.
 DIGEST_FILE_BYTES = 1024 * 1024
 
