@@ -372,7 +372,7 @@ def prepare(
     job.temp.unlink(missing_ok=True)
     layout, inode, bounds = create_skeleton(
         job.temp, reference,
-        access=output_access([s.scan.access for s in scanned], os.stat(job.out_dir)),
+        access=output_access([s.scan.access for s in scanned]),
         rows={d.name: d.total for d in datasets},
         raw={d.name for d in datasets if d.mode == "raw"},
     )

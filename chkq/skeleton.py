@@ -137,29 +137,32 @@ def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
     return offsets
 
 
-def output_access(files: list[tuple[int, int, int]], run: os.stat_result
-                  ) -> tuple[int, int, int]:
+def output_access(files: list[tuple[int, int, int]]) -> tuple[int, int, int]:
     """The permission bits, owner and group the output gets: never more readable than its sources.
 
-    ``files`` holds each checkpoint file's ``(permission bits, uid, gid)``
-    and ``run`` is the run directory's status. The bits are those every
-    checkpoint has (no execute, setuid, setgid or sticky bit), plus read
-    and write for the owner (the job writes the output after creating it);
-    the owner is the run directory's, the group the checkpoints' own when
-    they all share one (else -1: none, and the output gets no group bits).
+    ``files`` holds each checkpoint file's ``(permission bits, uid, gid)``.
+    The bits are those every checkpoint has (no execute, setuid, setgid or
+    sticky bit), plus read and write for the owner (the job writes the
+    output after creating it). The owner and the group are the ones all
+    checkpoints share, -1 where they differ (the output then keeps the
+    worker's, and gets no group bits). The checkpoints' owner, not the run
+    directory's: whoever owns a directory may have linked another user's
+    files into it.
     """
     mode = 0o666
     for bits, _uid, _gid in files:
         mode &= bits
+    owners = {uid for _bits, uid, _gid in files}
     groups = {gid for _bits, _uid, gid in files}
-    return mode | 0o600, run.st_uid, groups.pop() if len(groups) == 1 else -1
+    return (mode | 0o600, owners.pop() if len(owners) == 1 else -1,
+            groups.pop() if len(groups) == 1 else -1)
 
 
 def _apply_access(fd: int, access: tuple[int, int, int]) -> None:
     """Give the new output ``access`` (:func:`output_access`) as far as the worker may.
 
     The owner and group change where the worker may change them (a worker
-    running as root or as the run's owner); where it may not, the output
+    running as root or as the checkpoints' owner); where it may not, the output
     stays the worker's, and group bits are dropped when its group is not
     the checkpoints' own, so that no other group can read it.
     """

@@ -286,9 +286,16 @@ def test_the_whole_output_check_refuses_a_deep_file_without_recursion(tmp_path: 
 # --------------------------------------------------------------------------- output mode
 
 
-def test_a_private_run_gives_a_private_output_owned_by_the_run_owner(
-        tmp_path: Path, worker: WorkerProcess, local_users: tuple[LocalUser, LocalUser]) -> None:
-    """Root workers consolidate a victim's 0600 run: the attacker cannot read the output."""
+@pytest.mark.parametrize("directory_owner", ["victim", "attacker"])
+def test_a_private_run_gives_a_private_output_owned_by_the_checkpoints_owner(
+        worker: WorkerProcess, local_users: tuple[LocalUser, LocalUser],
+        directory_owner: str) -> None:
+    """Root workers consolidate a victim's 0600 checkpoints: the attacker cannot read the output.
+
+    Also when the run directory is the attacker's, holding hard links to the victim's
+    files (what a system without ``protected_hardlinks`` lets any user make): the output
+    goes to the checkpoints' owner, not the directory's.
+    """
     victim, attacker = local_users
     with shared_directory() as shared:
         run = shared / "run"
@@ -297,11 +304,21 @@ def test_a_private_run_gives_a_private_output_owned_by_the_run_owner(
             path.chmod(0o600)
         run.chmod(0o755)
         victim.chown_tree(run)
+        if directory_owner == "attacker":
+            os.chown(run, attacker.uid, attacker.gid)
         assert attacker.run(["ls", str(run)]).returncode == 0, "the run must be listable"
         for path in files:
             assert attacker.run(["cat", str(path)]).returncode != 0
         output = submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
-        _private_to(output, victim, attacker, files)
+        st = output.stat()
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert (st.st_uid, st.st_gid) == (victim.uid, victim.gid)
+        stolen = attacker.run(["cat", str(output)])
+        assert stolen.returncode != 0 and not stolen.stdout
+        assert b"Permission denied" in stolen.stderr
+        mine = victim.run(["cat", str(output)])
+        assert mine.returncode == 0 and mine.stdout == output.read_bytes()
+        assert_consolidated(output, files)
 
 
 @contextmanager
@@ -313,19 +330,6 @@ def shared_directory() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _private_to(output: Path, victim: LocalUser, attacker: LocalUser, files: list[Path]) -> None:
-    """``output`` is the victim's, 0600: the attacker cannot read it, the victim can."""
-    st = output.stat()
-    assert stat.S_IMODE(st.st_mode) == 0o600
-    assert (st.st_uid, st.st_gid) == (victim.uid, victim.gid)
-    stolen = attacker.run(["cat", str(output)])
-    assert stolen.returncode != 0 and not stolen.stdout
-    assert b"Permission denied" in stolen.stderr
-    mine = victim.run(["cat", str(output)])
-    assert mine.returncode == 0 and mine.stdout == output.read_bytes()
-    assert_consolidated(output, files)
 
 
 def test_output_mode_is_what_every_checkpoint_allows(tmp_path: Path,
