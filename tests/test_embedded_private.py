@@ -299,3 +299,33 @@ def test_the_fakeredis_fallback_serves_only_a_unix_socket_another_user_cannot_re
             "    print('connected')\n")
         assert probe.stdout.decode().strip() == "EACCES", probe
     assert not server.private_dir.exists()
+
+
+HOLDER = r"""
+import sys, time
+from chkq.workers.embedded import EmbeddedCluster
+
+with EmbeddedCluster(1) as cluster:
+    print(cluster.broker.private_dir, cluster.broker.process.pid, flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def test_the_broker_directory_goes_even_when_its_command_is_killed_outright() -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], env=env, stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        assert holder.stdout is not None
+        directory, redis_pid = holder.stdout.readline().split()
+        assert Path(directory, "redis.sock").exists()
+        holder.kill()
+        holder.wait(10)
+        deadline = time.monotonic() + TIMEOUT
+        while Path(directory).exists() or psutil.pid_exists(int(redis_pid)):
+            assert time.monotonic() < deadline, f"{directory} or redis-server outlived SIGKILL"
+            time.sleep(0.1)
+    finally:
+        stop(holder)
