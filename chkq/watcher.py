@@ -7,7 +7,9 @@ checkpoint 3 follows ``thread_0001.h5`` of checkpoint 2; single-file
 checkpoints follow each other); a chain is committed in order and stops at
 its first file that is not ready, so none is skipped. What the log already
 holds (by name) is not committed again, so a restarted watcher goes on
-where it stopped.
+where it stopped. A commit that cannot be made now (``enqueue`` raises
+:class:`CommitDeferred`) blocks its chain until the next look, which tries
+it again.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import h5py
 
 from chkq.discovery import check_out_dir, find_checkpoints
 from chkq.structure import COMPLETE_ATTR
+
+
+class CommitDeferred(Exception):
+    """Raised by an ``enqueue`` callback: this file could not be committed now; try later."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,13 @@ class Watcher:
     committed
         Names already in the log, mapped to their checkpoint ids.
     enqueue
-        Called with each ready file, in chain order.
+        Called with each ready file, in chain order; raises
+        :class:`CommitDeferred` if the file could not be committed now.
+
+    Attributes
+    ----------
+    deferred
+        Names whose last attempt was deferred and that are not committed yet.
     """
 
     def __init__(self, out_dir: str | Path, model: str, committed: dict[str, str],
@@ -78,6 +90,7 @@ class Watcher:
         self.done: dict[str, str] = dict(committed)
         self.enqueue = enqueue
         self._seen: dict[Path, tuple[int, int]] = {}
+        self.deferred: set[str] = set()
 
     def _stable(self, path: Path) -> bool:
         st = os.stat(path)
@@ -105,7 +118,13 @@ class Watcher:
                     continue
                 ident = file_id(path)
                 request = CommitRequest(path, name, checkpoint.number, tip.get(key), ident)
-                self.enqueue(request)
+                try:
+                    self.enqueue(request)
+                except CommitDeferred:
+                    self.deferred.add(name)
+                    blocked.add(key)
+                    continue
+                self.deferred.discard(name)
                 self.done[name] = ident
                 tip[key] = ident
                 sent.append(request)

@@ -2,10 +2,11 @@
 
 Every command but ``commit`` works on the store directly, in this process:
 no task, no cluster. ``commit`` runs in this process too when no broker is
-configured (``CHKQ_BROKER_URL`` unset) and the store is a local directory
-(or ``memory://``), and otherwise goes through a commit task (the embedded
-cluster for S3/GCS stores with no broker). On success a command prints its
-result and nothing else; on failure one ``error: ...`` line (exit 1).
+configured (``CHKQ_BROKER_URL`` unset), for every store, with one retry
+budget (``CHKQ_STORE_RETRY_SECONDS``) for all its store operations and a
+``retrying:`` line on stderr for each retry; with a broker it goes through a
+commit task. On success a command prints its result and nothing else; on
+failure one ``error: ...`` line (exit 1).
 
 Read-only commands (list, heads, lineage, pull, restore's reading, verify)
 never write to the store — a ``file://`` store is opened with
@@ -23,11 +24,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from chkq.commits import (
-    commit_bytes,
-    read_stable,
     resolve_id,
     restore_run,
     write_output,
@@ -42,9 +40,7 @@ from chkq.log import (
     model_of_name,
 )
 from chkq.stores import open_store
-
-IN_PROCESS_SCHEMES = ("file", "memory")
-"""Stores ``chkq log commit`` writes to in this process when no broker is configured."""
+from chkq.stores.base import StoreTimeouts, overall_budget
 
 
 class CommandError(Exception):
@@ -86,6 +82,10 @@ def _existing(args: argparse.Namespace, *, write: bool = False) -> CheckpointLog
     return log
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _warn_malformed(log: CheckpointLog) -> None:
     for key, why in sorted(log.malformed.items()):
         print(f"warning: {key}: {why}", file=sys.stderr)
@@ -111,11 +111,6 @@ def _line(record: CheckpointRecord, names: dict[str, list[str]] | None = None) -
     return " ".join(fields)
 
 
-def _commit_in_process(args: argparse.Namespace) -> bool:
-    scheme = urlsplit(args.store).scheme.lower()
-    return Settings.from_env().broker_url is None and scheme in IN_PROCESS_SCHEMES
-
-
 @_clean_errors
 def cmd_commit(args: argparse.Namespace) -> int:
     if args.parent and args.parent_head:
@@ -123,16 +118,18 @@ def cmd_commit(args: argparse.Namespace) -> int:
     path = Path(args.file).absolute()
     name = args.name or path.name
     model = args.model or model_of_name(name)
-    if _commit_in_process(args):
-        log = _open(args, write=True)
-        parent = resolve_id(log, args.parent) if args.parent else None
+    if Settings.from_env().broker_url is None:
+        from chkq.workers.commits import commit_in_process, store_retries_reported
+
         if not path.is_file():
             raise CommandError(f"checkpoint file {str(path)!r} does not exist")
-        record = commit_bytes(
-            log, read_stable(path), parent=parent, parent_head=args.parent_head,
-            step=args.step, label=args.label, name=name, model=model,
-            writer=f"chkq log commit@{default_writer()}",
-        )
+        budget = StoreTimeouts.from_env().budget
+        with store_retries_reported(_say), overall_budget(budget):
+            parent = resolve_id(_open(args, write=True), args.parent) if args.parent else None
+            record = commit_in_process(
+                args.store, args.run, path, parent=parent, parent_head=args.parent_head,
+                step=args.step, label=args.label, name=name, model=model,
+                writer=f"chkq log commit@{default_writer()}", budget=budget)
         print(record.id)
         return 0
     from chkq.workers.commits import commit_checkpoint
