@@ -50,9 +50,21 @@ machines can commit to one log without locks:
   :mod:`chkq.stores.s3`), so a lost response never loses data.
 
 Reads never write.  Records and entries are validated when read (types of
-every field, the payload key derived from the content); a malformed one is
-reported by key (:attr:`CheckpointLog.malformed`) and the rest of the run
-still lists, loads and restores.
+every field, the payload key derived from the content, nesting depth and
+size, name components a file system can hold, the declared size against
+:data:`MAX_CHECKPOINT_ENV`); a malformed one is reported by key
+(:attr:`CheckpointLog.malformed`) and the rest of the run still lists, loads
+and restores.  A listing that meets a symbolic link in a local store is
+reported the same way.
+
+Store content is written by whoever can write to the store.  Payloads are
+decompressed only up to the size their record declares, so a planted frame
+cannot expand beyond it.  Which checkpoint a *name* stands for is the name
+entry's word: with trusted log keys (:mod:`chkq.log_signing`) only signed
+records and entries are used and a name's latest entry is its content;
+without, a name whose entries name different checkpoints is a *conflict*
+(:attr:`CheckpointLog.conflicts`): no entry wins, restore refuses the name
+and verify reports it, since a planted entry could claim any creation time.
 
 Fast resume
 -----------
@@ -85,6 +97,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import warnings
@@ -96,12 +109,14 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from chkq import delta as codec
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import CheckpointCorruptionError, SymlinkInStoreError
+from chkq.log_signing import LogTrust
 from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
 
 __all__ = [
     "DEFAULT_GC_AGE",
     "LOG_FORMAT",
+    "MAX_CHECKPOINT_ENV",
     "CheckpointLog",
     "CheckpointRecord",
     "NameEntry",
@@ -114,6 +129,14 @@ MiB = 1 << 20
 DEFAULT_CACHE_BYTES = 512 * MiB
 DEFAULT_GC_AGE = 24 * 3600.0
 """Default age (s) below which ``gc`` leaves unreferenced payloads alone."""
+
+MAX_CHECKPOINT_ENV = "CHKQ_LOG_MAX_CHECKPOINT_BYTES"
+DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 30
+"""Largest checkpoint a log commits or reads unless ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` says."""
+MAX_OBJECT_BYTES = 1 << 20
+"""Largest record or name entry read (they are a few hundred bytes)."""
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
 
 LOG_FORMAT = 2
 """Format written by this version: 2 = names in entries of their own (see module docs)."""
@@ -129,6 +152,37 @@ def _is_id(text: object) -> bool:
 def checkpoint_id(data: bytes) -> str:
     """Return the id of a checkpoint: the hex SHA-256 of its bytes."""
     return hashlib.sha256(data).hexdigest()
+
+
+def max_checkpoint_bytes(environ: dict[str, str] | None = None) -> int:
+    """The configured cap on a checkpoint's size (``CHKQ_LOG_MAX_CHECKPOINT_BYTES``).
+
+    Raises
+    ------
+    ValueError
+        If the variable is not a positive whole number of bytes.
+    """
+    raw = (os.environ if environ is None else environ).get(MAX_CHECKPOINT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_CHECKPOINT_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be a number of bytes, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def printable(text: str) -> str:
+    """``text`` with control and format characters escaped (``\\n``, ``\\x1b``, ``\\u202e``).
+
+    Names and keys come from store content and run directories; printed raw,
+    a terminal would act on them.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
 def default_writer() -> str:
@@ -147,7 +201,8 @@ def check_relative_name(name: str) -> str:
     ------
     ValueError
         For an empty or absolute name, ``.``/``..``/empty components, a
-        backslash or a NUL character.
+        backslash or a NUL character, a component longer than a file system
+        name (255 bytes) or a name longer than a path (4095 bytes).
     """
     if not isinstance(name, str):
         raise ValueError(f"invalid checkpoint name {name!r}: not a string")
@@ -156,6 +211,13 @@ def check_relative_name(name: str) -> str:
             or "//" in name or name.endswith("/") or "\\" in name or "\x00" in name:
         raise ValueError(f"invalid checkpoint name {name!r}: expected a relative path "
                          "inside the run directory")
+    try:
+        encoded = [p.encode() for p in parts]
+    except UnicodeEncodeError:
+        raise ValueError(f"invalid checkpoint name {name!r}: not encodable") from None
+    if any(len(p) > NAME_MAX_BYTES for p in encoded) or len(name.encode()) > PATH_MAX_BYTES:
+        raise ValueError(f"invalid checkpoint name {name[:80]!r}...: a component is longer "
+                         f"than {NAME_MAX_BYTES} bytes or the name than {PATH_MAX_BYTES}")
     return name
 
 
@@ -167,10 +229,14 @@ def _json_object(raw: str | bytes, what: str, fields: Any, required: Any) -> dic
     ValueError
         Saying what is wrong.
     """
+    if len(raw) > MAX_OBJECT_BYTES:
+        raise ValueError(f"{what} of {len(raw)} bytes is larger than {MAX_OBJECT_BYTES}")
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{what} is not a JSON object")
     _check_format(obj)
@@ -302,7 +368,7 @@ class CheckpointRecord:
 _ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
     "name": (str,), "id": (str,), "model": (str, _NONE), "step": (int, _NONE),
     "label": (str, _NONE), "writer": (str, _NONE), "meta": (dict,), "created": (int, float),
-    "format": (int,),
+    "format": (int,), "mode": (int, _NONE),
 }
 _ENTRY_REQUIRED = frozenset({"name", "id"})
 
@@ -329,7 +395,10 @@ class NameEntry:
     writer
         Who committed it (``host:pid`` by default); not part of the key.
     created
-        POSIX time of the commit; the latest entry of a name is its current content.
+        POSIX time of the commit, as its writer says.
+    mode
+        The file's permission bits when committed (None for entries written
+        before modes were kept); restore gives the file ``mode & 0o777``.
     legacy
         True for an entry read from a format-1 record's ``meta.name``.
     """
@@ -342,18 +411,24 @@ class NameEntry:
     writer: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     created: float = 0.0
+    mode: int | None = None
     legacy: bool = False
 
     def digest(self) -> str:
         """Hex SHA-256 of what makes the entry distinct (writer and time excluded)."""
-        identity = {"name": self.name, "id": self.id, "model": self.model, "step": self.step,
-                    "label": self.label, "meta": self.meta}
+        identity: dict[str, Any] = {
+            "name": self.name, "id": self.id, "model": self.model, "step": self.step,
+            "label": self.label, "meta": self.meta}
+        if self.mode is not None:
+            identity["mode"] = self.mode
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
     def to_json(self) -> bytes:
         """Serialise as small JSON (``legacy`` is never stored)."""
         obj = {"format": LOG_FORMAT, **asdict(self)}
         del obj["legacy"]
+        if obj["mode"] is None:
+            del obj["mode"]
         return (json.dumps(obj, indent=1) + "\n").encode()
 
     @classmethod
@@ -370,8 +445,16 @@ class NameEntry:
         entry = cls(**{k: v for k, v in obj.items() if k in names})
         if not _is_id(entry.id):
             raise ValueError("entry has a malformed checkpoint id")
+        if entry.mode is not None and not 0 <= entry.mode <= 0o7777:
+            raise ValueError(f"entry has a mode out of range: {entry.mode!r}")
         check_relative_name(entry.name)
         return entry
+
+    @property
+    def file_mode(self) -> int:
+        """Permission bits a restored copy gets: the committed ones, never setuid, setgid
+        or sticky; 0600 when the entry kept none."""
+        return 0o600 if self.mode is None else stat.S_IMODE(self.mode) & 0o777
 
     def model_matches(self, model: str) -> bool:
         """Whether the file belongs to ``model``.
@@ -512,6 +595,14 @@ class CheckpointLog:
         Bound of the LRU cache of rebuilt checkpoints.
     head_copies
         Write a full copy of each delta head for fast resume (see module docs).
+    trust
+        Keys objects are signed with and checked against
+        (:mod:`chkq.log_signing`); default: the environment's
+        (``CHKQ_LOG_SIGNING_KEY``, ``CHKQ_LOG_TRUSTED_KEYS``).
+    max_checkpoint
+        Largest checkpoint committed or read, in bytes; default
+        ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` (4 GiB). A record declaring more is
+        refused, and no payload is decompressed beyond its record's size.
     """
 
     def __init__(
@@ -522,6 +613,8 @@ class CheckpointLog:
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         *,
         head_copies: bool = True,
+        trust: LogTrust | None = None,
+        max_checkpoint: int | None = None,
     ) -> None:
         if max_chain < 0:
             raise ValueError(f"max_chain must be >= 0, got {max_chain}")
@@ -529,12 +622,18 @@ class CheckpointLog:
         self.run_id = validate_run_id(run_id)
         self.max_chain = max_chain
         self.head_copies = head_copies
+        self.trust = LogTrust.from_env() if trust is None else trust
+        self.max_checkpoint = max_checkpoint_bytes() if max_checkpoint is None \
+            else max_checkpoint
         self._root = f"runs/{run_id}/"
         self._cache = _LRUCache(cache_bytes)
         self._records: dict[str, CheckpointRecord] = {}
         self.malformed: dict[str, str] = {}
         """Store keys of records and entries that could not be read, with why
         (filled by :meth:`manifest` and :meth:`entries`)."""
+        self.conflicts: dict[str, list[NameEntry]] = {}
+        """Names whose entries name different checkpoints and no trusted key
+        decides between them (filled by :meth:`files`), oldest entry first."""
 
     def __repr__(self) -> str:
         return f"CheckpointLog({self.store!r}, {self.run_id!r})"
@@ -568,11 +667,37 @@ class CheckpointLog:
         """Where gc keeps a payload it is removing until the removal is settled."""
         return f"{self._root}trash/{payload_key.rsplit('/', 1)[1]}"
 
+    def _list(self, prefix: str) -> list[str]:
+        """The store's keys under ``prefix``; a link in the way is noted in
+        :attr:`malformed` (under the prefix) and lists nothing."""
+        try:
+            keys = self.store.list(prefix)
+        except SymlinkInStoreError as exc:
+            self.malformed[prefix] = f"not listed: {exc}"
+            return []
+        self.malformed.pop(prefix, None)
+        return keys
+
+    # signing ------------------------------------------------------------
+
+    def _signed(self, raw: bytes, kind: str) -> bytes:
+        """``raw`` (a record's or entry's JSON) with a signature, if this log signs."""
+        if self.trust.signer is None:
+            return raw
+        obj = self.trust.sign(json.loads(raw), kind, self.run_id)
+        return (json.dumps(obj, indent=1) + "\n").encode()
+
+    def _refusal(self, raw: bytes, kind: str) -> str | None:
+        """Why a parsed, well-formed object must not be used (signature), or None."""
+        if not self.trust.enforcing:
+            return None
+        return self.trust.refusal(json.loads(raw), kind, self.run_id)
+
     # reading ------------------------------------------------------------
 
     def exists(self) -> bool:
         """Whether the store holds anything of this run (records first: the common case)."""
-        return bool(self.store.list(f"{self._root}records/") or self.store.list(self._root))
+        return bool(self._list(f"{self._root}records/") or self.store.list(self._root))
 
     def _fetch_record(self, checkpoint: str) -> CheckpointRecord | None:
         cached = self._records.get(checkpoint)
@@ -587,6 +712,13 @@ class CheckpointLog:
             record = CheckpointRecord.from_json(raw)
         except (ValueError, TypeError) as exc:
             raise self._corruption(checkpoint, key, f"malformed record: {exc}") from exc
+        refused = self._refusal(raw, "record")
+        if refused is not None:
+            raise self._corruption(checkpoint, key, f"record refused: {refused}")
+        if record.full_size > self.max_checkpoint:
+            raise self._corruption(
+                checkpoint, key, f"record refused: it declares {record.full_size} bytes, above "
+                f"the {self.max_checkpoint}-byte limit ({MAX_CHECKPOINT_ENV})")
         if record.id != checkpoint:
             raise self._corruption(checkpoint, key,
                                    f"malformed record: it names checkpoint {record.id}")
@@ -637,7 +769,7 @@ class CheckpointLog:
         """Ids of every checkpoint in the run (sorted by id, not by age)."""
         prefix = f"{self._root}records/"
         ids = []
-        for key in self.store.list(prefix):
+        for key in self._list(prefix):
             name = key[len(prefix) :]
             if name.endswith(".json") and _is_id(name[:-5]):
                 ids.append(name[:-5])
@@ -648,11 +780,11 @@ class CheckpointLog:
 
         Malformed records are left out and noted in :attr:`malformed`.
         """
-        ids = self.ids()
         prefix = f"{self._root}records/"
         for key in list(self.malformed):
-            if key.startswith(prefix):
+            if key.startswith(prefix) and key != prefix:
                 del self.malformed[key]
+        ids = self.ids()
         missing = [i for i in ids if i not in self._records]
         if len(missing) > 8:
             with ThreadPoolExecutor(8) as pool:
@@ -676,6 +808,10 @@ class CheckpointLog:
         except (ValueError, TypeError) as exc:
             self.malformed[key] = f"malformed name entry: {exc}"
             return None
+        refused = self._refusal(raw, "name")
+        if refused is not None:
+            self.malformed[key] = f"name entry refused: {refused}"
+            return None
         if key != self.entry_key(entry):
             self.malformed[key] = "malformed name entry: its key is not the one its content gives"
             return None
@@ -695,9 +831,9 @@ class CheckpointLog:
         """
         prefix = f"{self._root}names/"
         for key in list(self.malformed):
-            if key.startswith(prefix):
+            if key.startswith(prefix) and key != prefix:
                 del self.malformed[key]
-        keys = [k for k in self.store.list(prefix) if k.endswith(".json")]
+        keys = [k for k in self._list(prefix) if k.endswith(".json")]
         if len(keys) > 8:
             with ThreadPoolExecutor(8) as pool:
                 found = list(pool.map(self._read_entry, keys))
@@ -722,12 +858,21 @@ class CheckpointLog:
 
     def files(self, model: str | None = None,
               records: list[CheckpointRecord] | None = None) -> dict[str, NameEntry]:
-        """The run's files: each name's latest entry (``model``: only that model's)."""
-        latest: dict[str, NameEntry] = {}
+        """The run's files (``model``: only that model's), each name with the entry it restores.
+
+        A name whose entries all name one checkpoint gets its latest entry.
+        When they name different checkpoints, trusted signatures decide: with
+        trusted keys every entry read is a trusted writer's and the latest
+        one is the name's content; without, any tenant of the store could
+        have written any of them with any creation time, so the name is left
+        out and kept in :attr:`conflicts` (restore refuses it, verify reports it).
+        """
+        by_name: dict[str, list[NameEntry]] = {}
         for entry in self.entries(records):
             if model is None or entry.model_matches(model):
-                latest[entry.name] = entry
-        return dict(sorted(latest.items()))
+                by_name.setdefault(entry.name, []).append(entry)
+        chosen, self.conflicts = _choose(by_name, decided=self.trust.enforcing)
+        return dict(sorted(chosen.items()))
 
     def lineage(self, checkpoint: str) -> list[CheckpointRecord]:
         """Records from the root ancestor down to ``checkpoint`` (parent links)."""
@@ -787,7 +932,7 @@ class CheckpointLog:
         except KeyError:
             return None
         try:
-            data = codec.decompress_full(raw)
+            data = codec.decompress_full(raw, record.full_size)
         except codec.DeltaError as exc:
             warnings.warn(f"ignoring damaged head copy {key}: {exc}", stacklevel=3)
             return None
@@ -830,13 +975,13 @@ class CheckpointLog:
 
     def _decode_full(self, record: CheckpointRecord) -> bytes:
         try:
-            return codec.decompress_full(self._payload(record))
+            return codec.decompress_full(self._payload(record), record.full_size)
         except codec.DeltaError as exc:
             raise self._corruption(record.id, record.payload, str(exc)) from exc
 
     def _decode_delta(self, record: CheckpointRecord, base: bytes) -> bytes:
         try:
-            return codec.decode(self._payload(record), base)
+            return codec.decode(self._payload(record), base, record.full_size)
         except codec.DeltaError as exc:
             raise self._corruption(record.id, record.payload, str(exc)) from exc
 
@@ -872,6 +1017,7 @@ class CheckpointLog:
         name: str | None = None,
         model: str | None = None,
         writer: str | None = None,
+        mode: int | None = None,
     ) -> str:
         """Store a checkpoint and return its id.
 
@@ -884,19 +1030,24 @@ class CheckpointLog:
         With ``name`` (the file's path relative to its run directory), a
         :class:`NameEntry` is written too — also when the bytes were already
         in the log — so that every name of the same bytes, with its own
-        ``model``, ``step``, ``label`` and ``meta``, is kept and restored.
+        ``model``, ``step``, ``label`` and ``meta``, is kept and restored;
+        ``mode`` (the file's permission bits) is what a restored copy gets.
 
         Raises
         ------
         ValueError
-            If ``parent`` is not a checkpoint of this run, or ``name`` is not
-            a safe relative path.
+            If ``parent`` is not a checkpoint of this run, ``name`` is not
+            a safe relative path, or ``data`` is larger than :attr:`max_checkpoint`.
         """
+        if len(data) > self.max_checkpoint:
+            raise ValueError(f"checkpoint of {len(data)} bytes is larger than the "
+                             f"{self.max_checkpoint}-byte limit ({MAX_CHECKPOINT_ENV})")
         entry = None
         if name is not None:
             entry = NameEntry(
                 name=check_relative_name(name), id="0" * 64, model=model, step=step,
                 label=label, writer=writer or default_writer(), meta=dict(meta or {}),
+                mode=None if mode is None else stat.S_IMODE(mode),
             )
             entry.to_json()
         return self._commit(data, parent, step=step, label=label, meta=meta, fork=None,
@@ -924,7 +1075,7 @@ class CheckpointLog:
         if entry is None:
             return
         final = replace(entry, id=checkpoint, created=time.time())
-        self.store.put_if_absent(self.entry_key(final), final.to_json())
+        self.store.put_if_absent(self.entry_key(final), self._signed(final.to_json(), "name"))
 
     def _commit(
         self,
@@ -971,7 +1122,7 @@ class CheckpointLog:
             stored_size=len(payload), full_size=len(data), step=step, label=label,
             meta=dict(meta or {}), fork=fork, created=time.time(),
         )
-        record_json = record.to_json()
+        record_json = self._signed(record.to_json(), "record")
         created_payload = self.store.put_if_absent(key, payload)
         recorded_parent = parent
         if self.store.put_if_absent(self.record_key(checkpoint), record_json):
@@ -1032,7 +1183,7 @@ class CheckpointLog:
         deleted: list[str] = []
         self._settle_trash(now, older_than)
         prefix = f"{self._root}payloads/"
-        for key in self.store.list(prefix):
+        for key in self._list(prefix):
             checkpoint = key[len(prefix) :].split(".", 1)[0]
             if key in referenced or not _is_id(checkpoint):
                 continue
@@ -1047,7 +1198,7 @@ class CheckpointLog:
         parents = {r.parent for r in records}
         heads = {r.id for r in records if r.id not in parents}
         prefix = f"{self._root}heads/"
-        for key in self.store.list(prefix):
+        for key in self._list(prefix):
             checkpoint = key[len(prefix) :].split(".", 1)[0]
             if not _is_id(checkpoint) or checkpoint in heads:
                 continue
@@ -1089,7 +1240,7 @@ class CheckpointLog:
     def _settle_trash(self, now: float, older_than: float) -> None:
         """Finish what a gc that died mid-removal left under ``trash/``."""
         prefix = f"{self._root}trash/"
-        for trash in self.store.list(prefix):
+        for trash in self._list(prefix):
             name = trash[len(prefix) :]
             checkpoint = name.split(".", 1)[0]
             key = f"{self._root}payloads/{name}"
@@ -1139,6 +1290,12 @@ class CheckpointLog:
         for group in sorted(set(groups) - {"records", "payloads", "heads", "names", "trash"}):
             report.orphans.extend(groups[group])
         report.orphans.extend(groups.get("trash", []))
+        for group in ("records", "payloads", "heads", "names"):
+            if group not in groups:
+                self._list(f"{self._root}{group}/")
+                why = self.malformed.get(f"{self._root}{group}/")
+                if why is not None:
+                    problems.append((f"{self._root}{group}/", why))
 
         def tick(phase: str, done: int, total: int) -> None:
             if progress is not None:
@@ -1150,7 +1307,11 @@ class CheckpointLog:
         for done, key in enumerate(record_keys, 1):
             stem = key[len(self._root) + len("records/"):]
             if not (stem.endswith(".json") and _is_id(stem[:-5])):
-                report.orphans.append(key)
+                if "/" in stem:
+                    problems.append((key, "not a record: records are not kept in "
+                                     "subdirectories"))
+                else:
+                    report.orphans.append(key)
                 continue
             checkpoint = stem[:-5]
             self._records.pop(checkpoint, None)
@@ -1206,17 +1367,33 @@ class CheckpointLog:
             tick("head copies", done, len(head_keys))
 
         entry_keys = groups.get("names", [])
+        read_entries: dict[str, list[NameEntry]] = {}
         for done, key in enumerate(entry_keys, 1):
+            if "/" in key[len(self._root) + len("names/"):]:
+                problems.append((key, "not a name entry: entries are not kept in "
+                                 "subdirectories"))
+                continue
             entry = self._read_entry(key)
             if entry is None:
                 if key in self.malformed:
                     problems.append((key, self.malformed[key]))
                 continue
             report.names += 1
+            read_entries.setdefault(entry.name, []).append(entry)
             if entry.id not in records and entry.id not in bad_ids:
                 problems.append((key, f"name {entry.name!r} points to checkpoint {entry.id}, "
                                  "which has no record"))
             tick("names", done, len(entry_keys))
+
+        for found in read_entries.values():
+            found.sort(key=lambda e: (e.created, e.id))
+        _, conflicts = _choose(read_entries, decided=self.trust.enforcing)
+        for name, found in sorted(conflicts.items()):
+            ids = ", ".join(f"{e.id} (created {e.created:.0f})" for e in found)
+            for entry in found:
+                problems.append((self.entry_key(entry),
+                                 f"conflict: name {name!r} has entries for different "
+                                 f"checkpoints: {ids}; restore refuses it"))
 
         if read_data:
             self._verify_chains(records, missing, report, tick)
@@ -1228,11 +1405,13 @@ class CheckpointLog:
             raw = self.store.get(key)
         except KeyError:
             return None
+        digest = hashlib.sha256()
         try:
-            data = codec.decompress_full(raw)
+            for block in codec.iter_full(raw, record.full_size):
+                digest.update(block)
         except codec.DeltaError as exc:
             return f"head copy of checkpoint {record.id} does not decode: {exc}"
-        if checkpoint_id(data) != record.id:
+        if digest.hexdigest() != record.id:
             return f"head copy does not decode to its record's id {record.id}"
         return None
 
@@ -1283,6 +1462,23 @@ class CheckpointLog:
         """Forget cached checkpoint bytes and records (e.g. to measure cold loads)."""
         self._cache.clear()
         self._records.clear()
+
+
+def _choose(by_name: dict[str, list[NameEntry]], *, decided: bool
+            ) -> tuple[dict[str, NameEntry], dict[str, list[NameEntry]]]:
+    """Each name's entry (its latest, entries oldest first), and the names in conflict.
+
+    A name's entries conflict when they name different checkpoints and
+    ``decided`` is False (no trusted keys vouch for their writers).
+    """
+    chosen: dict[str, NameEntry] = {}
+    conflicts: dict[str, list[NameEntry]] = {}
+    for name, found in by_name.items():
+        if len({e.id for e in found}) > 1 and not decided:
+            conflicts[name] = found
+        else:
+            chosen[name] = found[-1]
+    return chosen, conflicts
 
 
 def _why(exc: BaseException) -> str:
