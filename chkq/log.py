@@ -185,6 +185,11 @@ def printable(text: str) -> str:
     return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
 
 
+def format_created(created: float) -> str:
+    """A record's or entry's ``created`` as UTC ISO 8601 (clamped: stored times are untrusted)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(max(0.0, min(created, 2.5e11))))
+
+
 def default_writer() -> str:
     """Who commits from this process, as kept in name entries: ``host:pid``."""
     return f"{socket.gethostname()}:{os.getpid()}"
@@ -1389,7 +1394,7 @@ class CheckpointLog:
             found.sort(key=lambda e: (e.created, e.id))
         _, conflicts = _choose(read_entries, decided=self.trust.enforcing)
         for name, found in sorted(conflicts.items()):
-            ids = ", ".join(f"{e.id} (created {e.created:.0f})" for e in found)
+            ids = ", ".join(f"{e.id} (created {format_created(e.created)})" for e in found)
             for entry in found:
                 problems.append((self.entry_key(entry),
                                  f"conflict: name {name!r} has entries for different "

@@ -101,8 +101,11 @@ def checkpoint_source(path: Any) -> Path:
     return resolve_allowed(path, get_settings().allowed_roots)
 
 
-def read_checkpoint(path: Path) -> bytes:
+def read_checkpoint(path: Path) -> tuple[bytes, int]:
     """Read the regular file at ``path`` (already resolved), refusing one that changes.
+
+    Returns the bytes and the opened file's ``st_mode`` (its permission bits
+    are kept in the name entry, for restore).
 
     The file is opened with O_NOFOLLOW|O_NONBLOCK and checked with fstat, so
     a link swapped in after the check is not followed and a FIFO or device
@@ -135,7 +138,7 @@ def read_checkpoint(path: Path) -> bytes:
     if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) \
             or len(data) != after.st_size:
         raise FileChangedError(f"checkpoint file {str(path)!r} changed while it was read")
-    return data
+    return data, before.st_mode
 
 
 @get_app().task(
@@ -196,9 +199,10 @@ def commit(
             if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
                 raise ParentNotCommittedError(
                     f"parent {parent} is not a checkpoint of run {run!r} (yet)")
-            data = read_checkpoint(source)
+            data, mode = read_checkpoint(source)
             record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
-                                  label=label, meta=meta or None, expect_id=expect_id)
+                                  label=label, meta=meta or None, expect_id=expect_id,
+                                  mode=mode)
         except ParentNotCommittedError as exc:
             raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
                              max_retries=PARENT_RETRIES) from None
