@@ -38,6 +38,7 @@ from chkq.commits import (
     write_output,
 )
 from chkq.config.settings import Settings
+from chkq.errors import NothingToRestoreError
 from chkq.log import (
     DEFAULT_GC_AGE,
     CheckpointLog,
@@ -201,8 +202,12 @@ def cmd_pull(args: argparse.Namespace) -> int:
 @_clean_errors
 def cmd_restore(args: argparse.Namespace) -> int:
     log = _existing(args)
-    result = restore_run(log, args.out_dir, args.model,
-                         on_file=lambda path: print(printable(str(path)), flush=True))
+    try:
+        result = restore_run(log, args.out_dir, args.model,
+                             on_file=lambda path: print(printable(str(path)), flush=True))
+    except NothingToRestoreError:
+        _warn_malformed(log)
+        raise
     _warn_malformed(log)
     for name, why in result.failed:
         print(printable(f"warning: not restored: {name}: {why}"), file=sys.stderr)
