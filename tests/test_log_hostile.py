@@ -25,6 +25,8 @@ from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.stores.memory import MemoryStore
 from chkq.stores.url import open_store
 from chkq.workers.cli import main as chkq_main
+from chkq.workers.commits import record_of, submit_commit
+from tests.plugins.cluster import WorkerProcess
 from tests.plugins.object_stores import make_store
 
 GiB = 1 << 30
@@ -391,3 +393,26 @@ def test_pull_refuses_to_replace_a_different_existing_file(
     target.write_bytes(b"another")
     assert chkq_main([*argv, "--force"]) == 0
     assert target.read_bytes() == b"checkpoint bytes"
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak resident memory so far (``VmHWM``), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for process {pid}")
+
+
+def test_the_commit_task_on_a_parent_whose_head_copy_is_a_bomb_stays_bounded(
+        tmp_path: Path, worker: WorkerProcess, gib_bomb: bytes) -> None:
+    store = LocalDirectoryStore(tmp_path / "store")
+    log, ids, data = delta_chain(store)
+    store.put(log.head_copy_key(ids[1]), gib_bomb)
+    third = tmp_path / "m_chk00003.h5"
+    third.write_bytes(data[1][:-10] + b"0123456789")
+    done = record_of(submit_commit(store.url, "run", third, parent=ids[1],
+                                   name="m_chk00003.h5").get(timeout=TIMEOUT))
+    assert done.parent == ids[1] and done.kind == "delta"
+    assert CheckpointLog(store, "run").load(done.id) == third.read_bytes()
+    peaks = [peak_rss(pid) for pid in worker.child_pids()]
+    assert peaks and max(peaks) < RSS_BOUND, peaks
