@@ -20,7 +20,7 @@ import pytest
 
 from chkq.delta import zstd
 from chkq.log import CheckpointLog, CheckpointRecord, NameEntry
-from chkq.log_signing import LogTrust
+from chkq.log.signing import LogTrust
 from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.stores.memory import MemoryStore
 from chkq.stores.url import open_store

@@ -23,7 +23,7 @@ import pytest
 
 from chkq.commits import restore_run
 from chkq.log import CheckpointLog, NameEntry
-from chkq.log_signing import LogTrust, generate_key_pair
+from chkq.log.signing import LogTrust, generate_key_pair
 from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.watcher import Watcher
 from chkq.workers.cli import main as chkq_main
@@ -191,7 +191,7 @@ def test_keygen_command_makes_a_usable_pair(tmp_path: Path,
 ATTACK = r"""
 import sys
 from chkq.log import CheckpointLog, NameEntry
-from chkq.log_signing import LogTrust
+from chkq.log.signing import LogTrust
 from chkq.stores import LocalDirectoryStore
 store = LocalDirectoryStore(sys.argv[1])
 log = CheckpointLog(store, "run1", trust=LogTrust())

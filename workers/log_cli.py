@@ -49,7 +49,7 @@ from chkq.log import (
     model_of_name,
     printable,
 )
-from chkq.log_signing import generate_key_pair
+from chkq.log.signing import generate_key_pair
 from chkq.stores import open_store
 
 IN_PROCESS_SCHEMES = ("file", "memory")
