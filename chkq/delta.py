@@ -48,6 +48,7 @@ else:
 __all__ = [
     "MAX_WINDOW_LOG",
     "DeltaError",
+    "compress_bound",
     "compress_full",
     "decode",
     "decompress_full",
@@ -136,6 +137,12 @@ def _check_end(decompressor: ZstdDecompressor) -> None:
         raise DeltaError("payload is truncated (the zstd frame does not end)")
     if decompressor.unused_data:
         raise DeltaError("payload has data after its zstd frame")
+
+
+def compress_bound(size: int) -> int:
+    """Most bytes a zstd frame of ``size`` bytes takes (zstd's ``ZSTD_COMPRESSBOUND``, plus
+    room for the frame header and checksum): a larger head copy is not one."""
+    return size + (size >> 8) + (((128 << 10) - size) >> 11 if size < 128 << 10 else 0) + 64
 
 
 def compress_full(data: bytes, *, level: int = FULL_LEVEL) -> bytes:

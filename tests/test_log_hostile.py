@@ -416,3 +416,41 @@ def test_the_commit_task_on_a_parent_whose_head_copy_is_a_bomb_stays_bounded(
     assert CheckpointLog(store, "run").load(done.id) == third.read_bytes()
     peaks = [peak_rss(pid) for pid in worker.child_pids()]
     assert peaks and max(peaks) < RSS_BOUND, peaks
+
+
+def test_get_at_most_reads_a_bounded_prefix_on_every_store(store: CheckpointStore) -> None:
+    store.put("a/empty", b"")
+    store.put("a/ten", b"0123456789")
+    assert store.get_at_most("a/empty", 0) == b""
+    assert store.get_at_most("a/empty", 5) == b""
+    assert store.get_at_most("a/ten", 0) == b"0"
+    assert store.get_at_most("a/ten", 4) == b"01234"
+    assert store.get_at_most("a/ten", 10) == b"0123456789"
+    assert store.get_at_most("a/ten", 100) == b"0123456789"
+    with pytest.raises(KeyError):
+        store.get_at_most("a/missing", 10)
+
+
+def test_huge_planted_records_and_payloads_are_refused_without_being_read(
+        tmp_path: Path) -> None:
+    store = LocalDirectoryStore(tmp_path / "store")
+    log, ids, data = delta_chain(store)
+    huge = "e" * 64
+    with open(store.root / "runs" / "run" / "records" / f"{huge}.json", "wb") as fh:
+        fh.truncate(2 * GiB)  # sparse: costs no disk, reads as 2 GiB of zeros
+    padded = plant_record(store, "run", b"x", 1, "padded.h5")
+    with open(store.root / log.payload_key(padded, "full", None), "r+b") as fh:
+        fh.truncate(2 * GiB)
+
+    restore, peak = chkq_measured("log", "restore", store.url, "run", str(tmp_path / "out"))
+    assert peak < RSS_BOUND, (peak, restore.stderr)
+    assert restore.returncode == 1
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "m_chk00001.h5", "m_chk00002.h5"]
+    assert (f"warning: {log.record_key(huge)}: malformed record: record of {MiB + 1} bytes "
+            f"is larger than {MiB}") in restore.stderr
+    assert "not restored: padded.h5" in restore.stderr
+    assert "payload is larger than its record's 1 bytes" in restore.stderr
+
+    verify, peak = chkq_measured("log", "verify", store.url, "run", "--read-data")
+    assert verify.returncode == 1 and peak < RSS_BOUND, (peak, verify.stdout)

@@ -89,6 +89,7 @@ from chkq.log import verify as _verify
 from chkq.log.keys import RunKeys
 from chkq.log.records import (
     MAX_CHECKPOINT_ENV,
+    MAX_OBJECT_BYTES,
     CheckpointRecord,
     NameEntry,
     check_relative_name,
@@ -274,7 +275,7 @@ class CheckpointLog:
             return cached
         key = self.record_key(checkpoint)
         try:
-            raw = self.store.get(key)
+            raw = self.store.get_at_most(key, MAX_OBJECT_BYTES)
         except KeyError:
             return None
         try:
@@ -364,7 +365,7 @@ class CheckpointLog:
 
     def _read_entry(self, key: str) -> NameEntry | None:
         try:
-            raw = self.store.get(key)
+            raw = self.store.get_at_most(key, MAX_OBJECT_BYTES)
         except KeyError:
             return None
         try:
@@ -492,7 +493,7 @@ class CheckpointLog:
     def _load_head_copy(self, record: CheckpointRecord) -> bytes | None:
         key = self.head_copy_key(record.id)
         try:
-            raw = self.store.get(key)
+            raw = self.store.get_at_most(key, codec.compress_bound(record.full_size))
         except KeyError:
             return None
         try:
@@ -533,9 +534,14 @@ class CheckpointLog:
 
     def _payload(self, record: CheckpointRecord) -> bytes:
         try:
-            return self.store.get(record.payload)
+            payload = self.store.get_at_most(record.payload, record.stored_size)
         except KeyError:
             raise self._corruption(record.id, record.payload, "payload missing") from None
+        if len(payload) > record.stored_size:
+            raise self._corruption(record.id, record.payload,
+                                   f"payload is larger than its record's {record.stored_size} "
+                                   "bytes")
+        return payload
 
     def _decode_full(self, record: CheckpointRecord) -> bytes:
         try:

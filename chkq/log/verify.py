@@ -232,7 +232,7 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
 
 def _check_head_copy(log: CheckpointLog, key: str, record: CheckpointRecord) -> str | None:
     try:
-        raw = log.store.get(key)
+        raw = log.store.get_at_most(key, codec.compress_bound(record.full_size))
     except KeyError:
         return None
     digest = hashlib.sha256()

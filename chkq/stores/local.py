@@ -270,6 +270,10 @@ class LocalDirectoryStore(CheckpointStore):
     # reading ---------------------------------------------------------------------
 
     def _get(self, key: str) -> bytes:
+        return self._read(key, -1)
+
+    def _read(self, key: str, size: int) -> bytes:
+        """The object's first ``size`` bytes (all for -1)."""
         with self._parent(key, create=False) as (parent, name):
             if parent is None:
                 raise KeyError(key)
@@ -285,7 +289,10 @@ class LocalDirectoryStore(CheckpointStore):
                 os.close(fd)
                 raise KeyError(key)
             with open(fd, "rb", closefd=True) as fh:
-                return fh.read()
+                return fh.read(size)
+
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._read(key, limit + 1)
 
     def _exists(self, key: str) -> bool:
         with self._parent(key, create=False) as (parent, name):
