@@ -87,7 +87,7 @@ def printable(text: str) -> str:
     """
     if text.isprintable():
         return text
-    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text)
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
 
 
 def format_created(created: float) -> str:

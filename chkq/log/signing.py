@@ -52,6 +52,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from chkq.errors import LogKeyError
+
 __all__ = [
     "SIGNATURE_FIELD",
     "LogKeyError",
@@ -65,10 +67,6 @@ SIGNING_KEY_ENV = "CHKQ_LOG_SIGNING_KEY"
 TRUSTED_KEYS_ENV = "CHKQ_LOG_TRUSTED_KEYS"
 _CONTEXT = b"chkq-log-signature-v1\n"
 _PEM = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
-
-
-class LogKeyError(ValueError):
-    """A signing or trusted key file that cannot be used; the message names the file."""
 
 
 def key_id(public: Ed25519PublicKey) -> str:
