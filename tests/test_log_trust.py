@@ -268,3 +268,29 @@ def test_another_user_with_write_access_to_a_shared_store_cannot_choose_what_res
         assert "not restored: V_chk00003.h5: conflicting entries" in err
         assert planted[:12] in err
         assert "conflict: name 'V_chk00003.h5'" in verify.stdout.decode()
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_objects_planted_at_the_keys_a_commit_will_use_do_not_lose_it(
+        store: CheckpointStore, keys: tuple[LogTrust, LogTrust], signed: bool) -> None:
+    """A tenant who knows the bytes to come pre-plants garbage at their payload key, a
+    record that names nothing valid at their record key, and junk at the entry's key."""
+    trust = keys[0] if signed else LogTrust()
+    log = CheckpointLog(store, "run", trust=trust)
+    first = log.commit(b"first checkpoint" * 1000, name="V_chk00001.h5", model="V")
+    coming = b"second checkpoint" * 1000
+    ident = hashlib.sha256(coming).hexdigest()
+    store.put(log.payload_key(ident, "full", None), b"garbage")
+    for kind, base in (("delta", first), ("full", None)):
+        store.put(log.payload_key(ident, kind, base), b"garbage")
+    planted = NameEntry(name="V_chk00002.h5", id=ident, model="V", writer="x")
+    store.put(log.record_key(ident), b'{"format": 2, "id": "' + ident.encode() + b'"}')
+    store.put(log.entry_key(planted), b"junk")
+
+    assert CheckpointLog(store, "run", trust=trust).commit(
+        coming, first, name="V_chk00002.h5", model="V") == ident
+    reader = CheckpointLog(store, "run", trust=trust)
+    assert reader.load(ident) == coming
+    assert reader.files()["V_chk00002.h5"].id == ident
+    report = CheckpointLog(store, "run", trust=trust).verify(read_data=True)
+    assert report.problems == [] and report.decoded == 2

@@ -645,7 +645,32 @@ class CheckpointLog:
         if entry is None:
             return
         final = replace(entry, id=checkpoint, created=time.time())
-        self.store.put_if_absent(self.entry_key(final), self._signed(final.to_json(), "name"))
+        key = self.entry_key(final)
+        raw = self._signed(final.to_json(), "name")
+        if not self.store.put_if_absent(key, raw) and self._read_entry(key) is None:
+            # Something that is not a valid entry (planted, damaged, unsigned) holds the
+            # key our content gives: no valid writer wrote it, so ours replaces it.
+            log.warning("name entry %s is not a valid entry: writing it again", key)
+            self.malformed.pop(key, None)
+            self.store.put(key, raw)
+
+    def _existing_record(self, checkpoint: str) -> tuple[CheckpointRecord | None, bool]:
+        """The valid record of ``checkpoint`` if any, and whether an invalid one holds its key."""
+        try:
+            return self._fetch_record(checkpoint), False
+        except CheckpointCorruptionError as exc:
+            log.warning("%s: replacing it with this commit's record", exc)
+            return None, True
+
+    def _payload_holds(self, key: str, data: bytes, base: bytes | None) -> bool:
+        """Whether the payload already at ``key`` decodes to ``data`` (against ``base``)."""
+        try:
+            found = self.store.get_at_most(key, codec.compress_bound(len(data)))
+            rebuilt = codec.decompress_full(found, len(data)) if base is None \
+                else codec.decode(found, base, len(data))
+        except (KeyError, codec.DeltaError):
+            return False
+        return rebuilt == data
 
     def _commit(
         self,
@@ -662,7 +687,8 @@ class CheckpointLog:
         with ThreadPoolExecutor(1) as pool:
             full_future = pool.submit(codec.compress_full, data)
             checkpoint = checkpoint_id(data)
-            if self._fetch_record(checkpoint) is not None:
+            existing, invalid_record = self._existing_record(checkpoint)
+            if existing is not None:
                 self._cache.put(checkpoint, data)
                 self._write_entry(entry, checkpoint)
                 return checkpoint
@@ -672,9 +698,11 @@ class CheckpointLog:
                     raise ValueError(f"unknown parent checkpoint {parent!r} in run {self.run_id!r}")
                 parent_record = self.record(parent)
             delta_payload = None
+            parent_data = None
             if parent_record is not None and parent_record.depth < self.max_chain:
+                parent_data = self.load(parent_record.id)
                 try:
-                    delta_payload = codec.encode(data, self.load(parent_record.id))
+                    delta_payload = codec.encode(data, parent_data)
                 except codec.DeltaError as exc:
                     log.info("storing %s whole: %s", checkpoint, exc)
             full_payload = full_future.result()
@@ -694,8 +722,28 @@ class CheckpointLog:
         )
         record_json = self._signed(record.to_json(), "record")
         created_payload = self.store.put_if_absent(key, payload)
+        if not created_payload and not self._payload_holds(
+                key, data, parent_data if kind == "delta" else None):
+            # The key our content gives holds something else (planted or damaged): the
+            # record about to name it must name these bytes.
+            log.warning("payload %s does not decode to checkpoint %s: writing it again",
+                        key, checkpoint)
+            self.store.put(key, payload)
+            created_payload = True
         recorded_parent = parent
-        if self.store.put_if_absent(self.record_key(checkpoint), record_json):
+        record_key = self.record_key(checkpoint)
+        winner = None
+        if invalid_record:
+            self.store.put(record_key, record_json)
+            won = True
+        else:
+            won = self.store.put_if_absent(record_key, record_json)
+            if not won:
+                winner, invalid_record = self._existing_record(checkpoint)
+                if invalid_record:
+                    self.store.put(record_key, record_json)
+                    won = True
+        if won:
             if not created_payload and not self.store.exists(key):
                 # An old orphan we reused was removed by a concurrent gc before it
                 # could see our record (see gc): write it again.
@@ -705,7 +753,6 @@ class CheckpointLog:
             if kind == "delta" and self.head_copies:
                 self.store.put_if_absent(self.head_copy_key(checkpoint), full_payload)
         else:
-            winner = self._fetch_record(checkpoint)
             if winner is not None and winner.payload != key and created_payload:
                 self.store.delete(key)
             recorded_parent = winner.parent if winner is not None else None
