@@ -454,3 +454,19 @@ def test_huge_planted_records_and_payloads_are_refused_without_being_read(
 
     verify, peak = chkq_measured("log", "verify", store.url, "run", "--read-data")
     assert verify.returncode == 1 and peak < RSS_BOUND, (peak, verify.stdout)
+
+
+def test_gc_deletes_a_huge_planted_orphan_without_reading_it(tmp_path: Path) -> None:
+    store = LocalDirectoryStore(tmp_path / "store")
+    log, ids, data = delta_chain(store)
+    orphan = store.root / log.payload_key("c" * 64, "full", None)
+    with open(orphan, "wb") as fh:
+        fh.truncate(2 * GiB)
+    old = os.stat(orphan).st_mtime - 2 * 86400
+    os.utime(orphan, (old, old))
+    gc, peak = chkq_measured("log", "gc", store.url, "run",
+                             env={"CHKQ_LOG_MAX_CHECKPOINT_BYTES": str(64 * MiB)})
+    assert gc.returncode == 0 and peak < RSS_BOUND, (peak, gc.stderr)
+    assert gc.stdout.split() == [log.payload_key("c" * 64, "full", None)]
+    assert not orphan.exists()
+    assert CheckpointLog(store, "run").load(ids[1]) == data[1]

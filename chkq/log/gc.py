@@ -35,6 +35,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from chkq import delta as codec
 from chkq.errors import CheckpointCorruptionError
 
 if TYPE_CHECKING:
@@ -97,11 +98,21 @@ def _names_payload(log: CheckpointLog, checkpoint: str, key: str) -> bool:
 
 
 def _remove_orphan(log: CheckpointLog, checkpoint: str, key: str) -> bool:
-    """Move an orphan payload aside, delete it, look again; True if it stays deleted."""
+    """Move an orphan payload aside, delete it, look again; True if it stays deleted.
+
+    An object larger than any payload of a checkpoint within the size limit can
+    be no record's payload (and a commit checks what it finds at its key), so
+    it is deleted without being read whole.
+    """
+    bound = codec.compress_bound(log.max_checkpoint)
     try:
-        data = log.store.get(key)
+        data = log.store.get_at_most(key, bound)
     except KeyError:
         return False
+    if len(data) > bound:
+        logger.warning("payload %s is larger than any checkpoint's payload: deleted", key)
+        log.store.delete(key)
+        return True
     trash = log.trash_key(key)
     log.store.put(trash, data)
     log.store.delete(key)
