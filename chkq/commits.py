@@ -52,10 +52,10 @@ __all__ = [
     "RestoreResult",
     "check_relative_name",
     "commit_bytes",
+    "pull_mode",
     "read_stable",
     "resolve_id",
     "restore_run",
-    "pull_mode",
     "single_head",
     "write_output",
 ]
