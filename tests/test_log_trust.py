@@ -294,3 +294,12 @@ def test_objects_planted_at_the_keys_a_commit_will_use_do_not_lose_it(
     assert reader.files()["V_chk00002.h5"].id == ident
     report = CheckpointLog(store, "run", trust=trust).verify(read_data=True)
     assert report.problems == [] and report.decoded == 2
+
+
+def test_a_reader_without_a_signing_key_refuses_to_commit_what_it_would_refuse(
+        store: CheckpointStore, tmp_path: Path) -> None:
+    _, public, _ = generate_key_pair(tmp_path)
+    reader = CheckpointLog(store, "run", trust=LogTrust.from_files(None, public))
+    with pytest.raises(ValueError, match="no signing key"):
+        reader.commit(b"bytes", name="x.h5")
+    assert store.list("") == []

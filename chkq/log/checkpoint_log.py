@@ -83,7 +83,7 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from chkq import delta as codec
-from chkq.errors import CheckpointCorruptionError, SymlinkInStoreError
+from chkq.errors import CheckpointCorruptionError, LogKeyError, SymlinkInStoreError
 from chkq.log import gc as _gc
 from chkq.log import verify as _verify
 from chkq.log.keys import RunKeys
@@ -683,6 +683,11 @@ class CheckpointLog:
         fork: dict[str, Any] | None,
         entry: NameEntry | None,
     ) -> str:
+        if self.trust.enforcing and self.trust.signer is None:
+            raise LogKeyError(
+                "trusted log keys are configured (CHKQ_LOG_TRUSTED_KEYS) but no signing key "
+                "(CHKQ_LOG_SIGNING_KEY): what this process wrote would be refused by every "
+                f"reader; not committing to run {self.run_id!r}")
         data = bytes(data)
         with ThreadPoolExecutor(1) as pool:
             full_future = pool.submit(codec.compress_full, data)
