@@ -102,10 +102,11 @@ def commit_in_process(
     seconds = StoreTimeouts.from_env().budget if budget is None else budget
     with overall_budget(seconds):
         log = CheckpointLog(open_store(store_url), run)
+        data, mode = read_stable(source)
         return commit_bytes(
-            log, read_stable(source), parent=parent, parent_head=parent_head, step=step,
+            log, data, parent=parent, parent_head=parent_head, step=step,
             label=label, name=name, model=model, expect_id=expect_id,
-            writer=writer or f"chkq@{default_writer()}",
+            writer=writer or f"chkq@{default_writer()}", mode=mode,
         )
 
 

@@ -342,6 +342,26 @@ class CheckpointStore(ABC):
         """
         return self._get(validate_key(key))
 
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """Return at most ``limit + 1`` bytes of the object under ``key``, from its start.
+
+        For store content whose size is known or bounded (a record, a
+        payload its record sizes): more than ``limit`` bytes back means the
+        object is too large, found without reading it whole. Local, S3 and
+        GCS stores read no more than that; the default reads the object.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        return self._get_at_most(validate_key(key), limit)
+
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._get(key)[: limit + 1]
+
     def exists(self, key: str) -> bool:
         """Return whether an object is stored under ``key``."""
         return self._exists(validate_key(key))
