@@ -40,7 +40,8 @@ def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
             verify_files(plan, first, stop, digests)
         check_output(plan.job.temp, Path(plan.reference_file),
                      rows={d.name: d.total for d in plan.datasets},
-                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
+                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
+                     block_bytes=plan.block_bytes)
         output = link_output(plan)
         if cleanup:
             remove_checkpoints(plan)

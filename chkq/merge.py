@@ -40,7 +40,7 @@ def merge_parts(plan: Plan) -> int:
     parts = [i for i, d in enumerate(plan.datasets) if d.mode == "chunks"]
     whole = [i for i, d in enumerate(plan.datasets) if d.mode == "whole"]
     if parts or whole:
-        with h5py.File(plan.job.temp, "r+") as out:
+        with h5py.File(plan.job.temp, "r+", libver=tuple(plan.libver)) as out:
             check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
             for index in parts:
                 target = out[plan.datasets[index].name]

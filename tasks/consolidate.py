@@ -388,7 +388,8 @@ def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
     check_output(plan.job.temp, Path(plan.reference_file),
                  rows={d.name: d.total for d in plan.datasets},
-                 raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
+                 raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
+                 block_bytes=plan.block_bytes)
     check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
     protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
