@@ -1,0 +1,247 @@
+"""RabbitMQ as chkq's broker, with job state in Redis: every job and command on real parts.
+
+Each test gets a vhost of its own on the machine's RabbitMQ
+(:mod:`tests.plugins.rabbitmq`) and the session's private redis-server as
+result backend; workers are real ``chkq worker`` processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from chkq.config.celery_app import close_app, get_settings, make_app, use_app
+from chkq.config.routing import COPY_QUEUE, QUEUES
+from chkq.config.settings import Settings
+from chkq.demo import RunShape, make_run
+from chkq.workers.broker import PrivateRedis
+from chkq.workers.client import ConsolidationJob, JobCancelledError, submit_consolidation
+from chkq.workers.commits import submit_commit
+from tests.helpers import assert_consolidated, snapshot, wait_for
+from tests.plugins.cluster import WorkerProcess, consumers_paused
+from tests.plugins.rabbitmq import Vhost, amqp_vhost
+
+__all__ = ["amqp_vhost"]
+
+CLI = [sys.executable, "-m", "chkq.workers.cli"]
+JOB_SECONDS = 90
+
+
+class AmqpCluster:
+    """Workers on a RabbitMQ vhost with the result backend in Redis; the client app on both."""
+
+    def __init__(self, vhost: Vhost, backend: str, log_dir: Path) -> None:
+        self.vhost, self.backend, self.log_dir = vhost, backend, log_dir
+        self.workers: list[WorkerProcess] = []
+        self.app = make_app(replace(get_settings(), broker_url=vhost.url,
+                                    result_backend=backend))
+        self.previous = use_app(self.app)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of a chkq command on this cluster."""
+        return {**os.environ, "CHKQ_BROKER_URL": self.vhost.url,
+                "CHKQ_RESULT_BACKEND": self.backend}
+
+    def add_worker(self, queues: str = "control,copy,verify,commit", concurrency: int = 2,
+                   env: dict[str, str] | None = None) -> WorkerProcess:
+        worker = WorkerProcess(self.vhost.url, queues, concurrency, self.log_dir,
+                               {"CHKQ_RESULT_BACKEND": self.backend, **(env or {})})
+        self.workers.append(worker)
+        return worker
+
+    def chkq(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(CLI + list(args), env=self.env, capture_output=True, text=True,
+                              timeout=120)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        use_app(self.previous)
+        close_app(self.app)
+
+
+@pytest.fixture
+def amqp_cluster(amqp_vhost: Vhost, redis_server: PrivateRedis, tmp_path: Path
+                 ) -> Iterator[AmqpCluster]:
+    cluster = AmqpCluster(amqp_vhost, redis_server.url, tmp_path)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+# ----------------------------------------------------------------- settings
+
+
+def test_amqp_broker_needs_a_redis_result_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Job state lives in Redis: an amqp broker without a Redis backend is refused clearly."""
+    monkeypatch.setenv("CHKQ_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672/x")
+    monkeypatch.delenv("CHKQ_RESULT_BACKEND", raising=False)
+    with pytest.raises(ValueError, match=r"CHKQ_RESULT_BACKEND must be a Redis URL.*amqp"):
+        Settings.from_env()
+    monkeypatch.setenv("CHKQ_RESULT_BACKEND", "rpc://")
+    with pytest.raises(ValueError, match=r"CHKQ_RESULT_BACKEND must be a Redis URL.*rpc"):
+        Settings.from_env()
+    monkeypatch.setenv("CHKQ_RESULT_BACKEND", "redis://127.0.0.1:1/0")
+    assert Settings.from_env().broker_is_amqp
+
+
+def test_amqp_command_without_backend_names_the_setting(amqp_vhost: Vhost) -> None:
+    env = {**os.environ, "CHKQ_BROKER_URL": amqp_vhost.url}
+    env.pop("CHKQ_RESULT_BACKEND", None)
+    done = subprocess.run(CLI + ["status"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0
+    assert "CHKQ_RESULT_BACKEND must be a Redis URL" in done.stderr
+
+
+def test_amqp_app_config() -> None:
+    """Quorum queues, confirms, heartbeats; the Redis transport's options only on Redis."""
+    amqp = make_app(Settings(broker_url="amqp://h/v", result_backend="redis://h:1/0"))
+    conf = amqp.conf
+    assert conf.broker_transport_options == {"confirm_publish": True}
+    assert conf.broker_heartbeat == Settings().broker_heartbeat <= 30
+    assert conf.task_default_queue_type == "quorum"
+    assert {q.name: q.queue_arguments for q in conf.task_queues} == {
+        name: {"x-queue-type": "quorum"} for name in QUEUES}
+    assert conf.task_acks_late and conf.task_reject_on_worker_lost
+    assert conf.worker_prefetch_multiplier == 1
+    redis_app = make_app(Settings(broker_url="redis://h:1/0"))
+    assert redis_app.conf.broker_transport == "chkq.config.broker_transport:Transport"
+    assert all(q.queue_arguments is None for q in redis_app.conf.task_queues)
+
+
+# --------------------------------------------------------------- real jobs
+
+
+def test_consolidation_on_rabbitmq(amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
+    """A job with scan units, copies and verifies on two workers; quorum queues declared;
+    ``chkq status`` reads it; the queues are empty afterwards."""
+    amqp_cluster.add_worker()
+    amqp_cluster.add_worker("copy,verify", 1)
+    run = tmp_path / "run"
+    files = make_run(run, "run", RunShape(checkpoints=4, writers=2, trials=500))
+    job = submit_consolidation("run", run)
+    output = job.wait_for_output(timeout=JOB_SECONDS)
+    assert_consolidated(output, files)
+    queues = amqp_cluster.vhost.queues()
+    for name in QUEUES:
+        assert queues[name]["type"] == "quorum", queues
+    wait_for(lambda: all(amqp_cluster.vhost.queues()[n]["messages"] == "0" for n in QUEUES),
+             30, "the queues to drain")
+    status = amqp_cluster.chkq("status", job.id)
+    assert status.returncode == 0, status.stderr
+    assert "SUCCESS" in status.stdout and str(output) in status.stdout
+    listed = amqp_cluster.chkq("status")
+    assert job.id in listed.stdout
+
+
+def test_consolidate_command_and_scan_units_on_rabbitmq(amqp_cluster: AmqpCluster,
+                                                        tmp_path: Path) -> None:
+    """``chkq consolidate`` on the amqp cluster, with files enough for scan units."""
+    amqp_cluster.add_worker()
+    run = tmp_path / "run"
+    files = make_run(run, "run", RunShape(checkpoints=12, trials=50))
+    done = subprocess.run(CLI + ["consolidate", "run", str(run)],
+                          env={**amqp_cluster.env, "CHKQ_TASK_FILES": "2"},
+                          capture_output=True, text=True, timeout=JOB_SECONDS)
+    assert done.returncode == 0, done.stderr
+    assert_consolidated(run / "run.h5", files)
+
+
+def test_commit_waiting_for_its_parent_retries_on_rabbitmq(amqp_cluster: AmqpCluster,
+                                                           tmp_path: Path) -> None:
+    """A commit whose parent is not in the log yet retries with a countdown (held by the
+    worker on quorum queues) and succeeds once the parent is committed."""
+    amqp_cluster.add_worker("commit", 2)
+    files = make_run(tmp_path / "run", "run", RunShape(checkpoints=2, trials=100))
+    store = f"file://{tmp_path / 'store'}"
+    (tmp_path / "store").mkdir()
+    parent = hashlib.sha256(files[0].read_bytes()).hexdigest()
+    child = submit_commit(store, "r1", files[1], parent=parent)
+    wait_for(lambda: child.state == "RETRY", JOB_SECONDS, "the child commit to retry")
+    assert submit_commit(store, "r1", files[0]).get(timeout=JOB_SECONDS)["id"] == parent
+    assert child.get(timeout=JOB_SECONDS)["parent"] == parent
+
+
+def _queued_copies(cluster: AmqpCluster) -> int:
+    return int(cluster.vhost.queues()[COPY_QUEUE]["messages"])
+
+
+def test_cancel_purges_only_the_jobs_messages_on_rabbitmq(amqp_cluster: AmqpCluster,
+                                                          tmp_path: Path) -> None:
+    """Two jobs wait in the copy queue (its only worker paused); ``chkq cancel`` of one
+    removes its queued copies from RabbitMQ and leaves the other's, which then completes."""
+    worker = amqp_cluster.add_worker()
+    runs = {n: tmp_path / n for n in ("victim", "other")}
+    files = {n: make_run(d, "run", RunShape(checkpoints=3, trials=300)) for n, d in runs.items()}
+    before = snapshot(runs["victim"])
+    with consumers_paused(worker, COPY_QUEUE):
+        jobs: dict[str, ConsolidationJob] = {}
+        for name, directory in runs.items():
+            jobs[name] = submit_consolidation("run", directory)
+        wait_for(lambda: _queued_copies(amqp_cluster) >= 2, JOB_SECONDS, "copies to queue")
+        wait_for(lambda: _queued_copies(amqp_cluster) == _stable(amqp_cluster), 30, "plans")
+        queued = _queued_copies(amqp_cluster)
+        done = amqp_cluster.chkq("cancel", jobs["victim"].id)
+        assert done.returncode == 0, done.stderr
+        purged = int(done.stdout.split(": ", 1)[1].split(" queued")[0])
+        assert purged >= 1, done.stdout
+        assert _queued_copies(amqp_cluster) == queued - purged
+    with pytest.raises(JobCancelledError):
+        jobs["victim"].wait_for_output(timeout=JOB_SECONDS)
+    output = jobs["other"].wait_for_output(timeout=JOB_SECONDS)
+    assert_consolidated(output, files["other"])
+    assert snapshot(runs["victim"]) == before
+    time.sleep(2)
+    assert not (runs["victim"] / "run.h5").exists()
+
+
+def _stable(cluster: AmqpCluster, seconds: float = 1.5) -> int:
+    """The copy queue's length once it stays the same for ``seconds``."""
+    last = _queued_copies(cluster)
+    time.sleep(seconds)
+    return last if _queued_copies(cluster) == last else -1
+
+
+def test_purge_leaves_other_messages_even_when_interrupted(amqp_cluster: AmqpCluster) -> None:
+    """The purge holds others' messages unacknowledged only while it runs: a canceller
+    that dies mid-sweep loses nothing (RabbitMQ returns what its connection held)."""
+    from kombu import Connection
+
+    from chkq.config.routing import task_queues
+
+    queue = next(q for q in task_queues(quorum=True) if q.name == COPY_QUEUE)
+    with Connection(amqp_cluster.vhost.url) as conn:
+        producer = conn.Producer()
+        for n in range(5):
+            producer.publish({"n": n}, exchange=queue.exchange, routing_key=queue.routing_key,
+                             declare=[queue], headers={"id": f"otherjob-copy-{n}"})
+    with Connection(amqp_cluster.vhost.url) as conn:
+        bound = queue.bind(conn.default_channel)
+        held = [bound.get(no_ack=False) for _ in range(3)]
+        assert all(m is not None for m in held)
+        assert _queued_copies(amqp_cluster) == 5  # held messages still count as the queue's
+    wait_for(lambda: len(_ready(amqp_cluster)) == 5, 30, "held messages to come back")
+    from chkq.workers.status import purge_queued
+
+    assert purge_queued("victimjob") == 0
+    assert len(_ready(amqp_cluster)) == 5
+
+
+def _ready(cluster: AmqpCluster) -> list[str]:
+    out = subprocess.run(["rabbitmqctl", "list_queues", "-q", "-p", cluster.vhost.name,
+                          "--no-table-headers", "name", "messages_ready"],
+                         capture_output=True, text=True, check=True).stdout
+    counts = dict(line.split("\t") for line in out.splitlines() if "\t" in line)
+    return ["x"] * int(counts.get(COPY_QUEUE, "0"))
+
