@@ -194,10 +194,16 @@ def test_broker_unreachable_from_every_worker_for_30_s(cluster: Cluster, tmp_pat
     run, files, before = _run(tmp_path)
     client = subprocess.Popen(
         cluster.submitter.argv([sys.executable, "-m", "chkq.workers.cli", "consolidate",
-                                "run", str(run), "--timeout", "400"]),
+                                "run", "--out-dir", str(run), "--timeout", "400"]),
         env=cluster.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: any(AsyncResult(f"{job}-copy-0", app=get_app()).state != "PENDING"
-                         for job in _jobs()), 240, "the job's first copy", interval=0.2)
+
+    def copying() -> bool:
+        if client.poll() is not None:
+            raise AssertionError(f"the client ended early: {client.communicate()}")
+        return any(AsyncResult(f"{job}-copy-0", app=get_app()).state != "PENDING"
+                   for job in _jobs())
+
+    wait_for(copying, 240, "the job's first copy", interval=0.2)
     for host in cluster.worker_hosts:
         host.cut()
     cut = time.monotonic()

@@ -151,7 +151,7 @@ def test_consolidate_command_and_scan_units_on_rabbitmq(amqp_cluster: AmqpCluste
     amqp_cluster.add_worker()
     run = tmp_path / "run"
     files = make_run(run, "run", RunShape(checkpoints=12, trials=50))
-    done = subprocess.run(CLI + ["consolidate", "run", str(run)],
+    done = subprocess.run(CLI + ["consolidate", "run", "--out-dir", str(run)],
                           env={**amqp_cluster.env, "CHKQ_TASK_FILES": "2"},
                           capture_output=True, text=True, timeout=JOB_SECONDS)
     assert done.returncode == 0, done.stderr
