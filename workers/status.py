@@ -206,9 +206,10 @@ def purge_queued(job: str) -> int:
     A revoke reaches only the workers alive now: a message left in a queue
     would run on a worker started later.
     """
-    from chkq.config.celery_app import get_settings
+    from chkq.config.celery_app import get_app
+    from chkq.config.settings import AMQP_SCHEMES, broker_scheme
 
-    if get_settings().broker_is_amqp:
+    if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
         return _purge_amqp(job)
     return _purge_redis(job)
 
@@ -247,8 +248,8 @@ def _purge_amqp(job: str) -> int:
     AMQP removes a message only by acknowledging it, so each queue's
     messages are fetched one by one (``basic.get``, as many as the queue
     held when the sweep began) and held unacknowledged: the job's are then
-    acknowledged (removed), every other one is returned to its queue in one
-    ``basic.nack`` with requeue. Should this process die meanwhile, RabbitMQ
+    acknowledged (removed), every other one is returned to its queue
+    (``basic.reject`` with requeue). Should this process die meanwhile, RabbitMQ
     returns all it held when its connection closes: no message is lost, and
     for the sweep's few seconds other workers merely do not see them.
     Messages that workers hold reserved are out of reach here; the revoke
@@ -278,8 +279,8 @@ def _purge_amqp(job: str) -> int:
                     removed += 1
                 else:
                     others.append(message)
-            if others:
-                channel.basic_nack(others[-1].delivery_tag, multiple=True, requeue=True)
+            for message in others:
+                message.requeue()
     return removed
 
 
