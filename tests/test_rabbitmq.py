@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from base64 import b64encode
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,14 +25,17 @@ from chkq.config.celery_app import close_app, get_settings, make_app, use_app
 from chkq.config.routing import COPY_QUEUE, QUEUES
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
-from chkq.workers.broker import PrivateRedis
+from chkq.log import CheckpointLog
+from chkq.stores import open_store
+from chkq.workers.broker import PrivateRedis, free_port
 from chkq.workers.client import ConsolidationJob, JobCancelledError, submit_consolidation
 from chkq.workers.commits import submit_commit
 from tests.helpers import assert_consolidated, snapshot, wait_for
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 from tests.plugins.rabbitmq import Vhost, amqp_vhost
+from tests.test_signing import Secrets, secrets
 
-__all__ = ["amqp_vhost"]
+__all__ = ["amqp_vhost", "secrets"]
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 JOB_SECONDS = 90
@@ -44,6 +50,17 @@ class AmqpCluster:
         self.app = make_app(replace(get_settings(), broker_url=vhost.url,
                                     result_backend=backend))
         self.previous = use_app(self.app)
+
+    def sign_with(self, secrets: Secrets) -> None:
+        """The client app signs its messages (and accepts only signed ones) from now on."""
+        signed = make_app(replace(get_settings(), broker_url=self.vhost.url,
+                                  result_backend=self.backend,
+                                  security_key=str(secrets.key_file),
+                                  security_certificate=str(secrets.cert_file),
+                                  security_cert_store=str(secrets.store)))
+        use_app(signed)
+        close_app(self.app)
+        self.app = signed
 
     @property
     def env(self) -> dict[str, str]:
@@ -254,3 +271,90 @@ def test_purge_loses_nothing_when_the_canceller_dies(amqp_cluster: AmqpCluster) 
         while (message := bound.get(no_ack=True)) is not None:
             left.append(message.headers["id"])
     assert sorted(left) == sorted(ids[:5])
+
+
+def test_signed_cluster_on_rabbitmq(amqp_cluster: AmqpCluster, secrets: Secrets,
+                                    tmp_path: Path) -> None:
+    """Signing works the same on RabbitMQ: a signed job completes; an unsigned submission
+    is refused by the signed worker (it never runs, the worker lives on)."""
+    amqp_cluster.sign_with(secrets)
+    worker = amqp_cluster.add_worker(env=secrets.env())
+    run = tmp_path / "run"
+    files = make_run(run, "run", RunShape(checkpoints=2, trials=200))
+    signed = {**amqp_cluster.env, **secrets.env()}
+    plain = subprocess.run(CLI + ["consolidate", "run", "--out-dir", str(run),
+                                  "--timeout", "15"],
+                           env=amqp_cluster.env, capture_output=True, text=True, timeout=120)
+    assert plain.returncode != 0 and not (run / "run.h5").exists(), plain.stdout
+    assert worker.process.poll() is None
+    done = subprocess.run(CLI + ["consolidate", "run", "--out-dir", str(run)], env=signed,
+                          capture_output=True, text=True, timeout=JOB_SECONDS)
+    assert done.returncode == 0, done.stderr
+    assert_consolidated(run / "run.h5", files)
+
+
+def test_watch_on_rabbitmq(amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
+    """``chkq watch --consolidate`` beside a running simulation, through RabbitMQ: every
+    checkpoint committed once, the run consolidated at the end."""
+    amqp_cluster.add_worker()
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    store = f"file://{tmp_path / 'store'}"
+    sim = subprocess.Popen([sys.executable, "-m", "tests.fake_simulation", str(out_dir), "sim",
+                            "3", "2", "0.5"])
+    watch_log = tmp_path / "watch.log"
+    with open(watch_log, "wb") as out:
+        watcher = subprocess.Popen(
+            CLI + ["watch", str(out_dir), "sim", "--store", store, "--run", "r1", "--pid",
+                   str(sim.pid), "--interval", "0.2", "--consolidate", "--wait"],
+            env=amqp_cluster.env, stdout=out, stderr=subprocess.STDOUT)
+    assert sim.wait(60) == 0
+    try:
+        assert watcher.wait(JOB_SECONDS) == 0, watch_log.read_text()
+    except subprocess.TimeoutExpired:
+        watcher.kill()
+        raise AssertionError(f"chkq watch did not end: {watch_log.read_text()[-3000:]}"
+                             ) from None
+    files = sorted(out_dir.glob("sim_chk*/thread_*.h5"))
+    log = CheckpointLog(open_store(store), "r1")
+    assert sorted(e.name for e in log.entries()) == sorted(
+        str(f.relative_to(out_dir)) for f in files)
+    assert_consolidated(out_dir / "sim.h5", files)
+
+
+def test_flower_on_rabbitmq(amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
+    """``chkq flower`` on the RabbitMQ cluster sees the worker and a job's tasks."""
+    worker = amqp_cluster.add_worker()
+    port = free_port()
+    auth = ("ops", "secret-pass")
+    log = tmp_path / "flower.log"
+    with open(log, "wb") as out:
+        flower = subprocess.Popen(
+            CLI + ["flower", "--port", str(port)],
+            env={**amqp_cluster.env, "CHKQ_FLOWER_BASIC_AUTH": ":".join(auth)},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    token = b64encode(":".join(auth).encode()).decode()
+
+    def get(path: str) -> str:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}")
+        request.add_header("Authorization", f"Basic {token}")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return str(response.read().decode())
+
+    try:
+        def sees(text: str, path: str) -> bool:
+            assert flower.poll() is None, log.read_text()[-3000:]
+            try:
+                return text in get(path)
+            except OSError:
+                return False
+
+        wait_for(lambda: sees(worker.name, "/api/workers"), 60, "Flower to see the worker")
+        run = tmp_path / "run"
+        make_run(run, "run", RunShape(checkpoints=2, trials=100))
+        job = submit_consolidation("run", run)
+        job.wait_for_output(timeout=JOB_SECONDS)
+        wait_for(lambda: sees(f"{job.id}-plan", "/api/tasks"), 60, "Flower to list the job")
+    finally:
+        os.killpg(flower.pid, signal.SIGTERM)
+        flower.wait(30)
