@@ -47,13 +47,21 @@ RUN = RunShape(checkpoints=2, trials=10007, spec_columns=384, compression="gzip"
 LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "200", "CHKQ_TIME_LIMIT": "240",
           "CHKQ_VISIBILITY_TIMEOUT": "300", "CHKQ_TASK_BYTES": str(16 * 2**20)}
 
+#: On Redis a lost node's tasks wait for the visibility timeout: here a short one.
+REDIS_VISIBILITY = 45
+REDIS_LIMITS = {**LIMITS, "CHKQ_SOFT_TIME_LIMIT": "30", "CHKQ_TIME_LIMIT": "40",
+                "CHKQ_VISIBILITY_TIMEOUT": str(REDIS_VISIBILITY)}
+
 
 class Cluster:
     """The broker host's view: two worker hosts and a submitter host on RabbitMQ."""
 
-    def __init__(self, hosts: Hosts, vhost: Vhost, log_dir: Path) -> None:
+    def __init__(self, hosts: Hosts, vhost: Vhost | None, log_dir: Path,
+                 limits: dict[str, str] | None = None) -> None:
         self.hosts, self.vhost, self.log_dir = hosts, vhost, log_dir
-        self.app = make_app(replace(get_settings(), broker_url=vhost.url,
+        self.limits = limits or LIMITS
+        broker = vhost.url if vhost is not None else hosts.local_redis_url
+        self.app = make_app(replace(get_settings(), broker_url=broker,
                                     result_backend=hosts.local_redis_url))
         self.previous = use_app(self.app)
         self.worker_hosts = [hosts.add_host("w1"), hosts.add_host("w2")]
@@ -64,8 +72,10 @@ class Cluster:
 
     def env(self) -> dict[str, str]:
         """The environment of chkq on a host other than the broker's."""
-        return {**os.environ, "CHKQ_BROKER_URL": self.vhost.url_for(self.hosts.address),
-                "CHKQ_RESULT_BACKEND": self.hosts.redis_url, **LIMITS}
+        broker = (self.vhost.url_for(self.hosts.address) if self.vhost is not None
+                  else self.hosts.redis_url)
+        return {**os.environ, "CHKQ_BROKER_URL": broker,
+                "CHKQ_RESULT_BACKEND": self.hosts.redis_url, **self.limits}
 
     def wait_ready(self, worker: HostWorker, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -104,6 +114,16 @@ class Cluster:
 @pytest.fixture
 def cluster(hosts: Hosts, amqp_vhost: Vhost, tmp_path: Path) -> Iterator[Cluster]:
     made = Cluster(hosts, amqp_vhost, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+@pytest.fixture
+def redis_cluster(hosts: Hosts, tmp_path: Path) -> Iterator[Cluster]:
+    """The same hosts with Redis as the broker, its visibility timeout at REDIS_VISIBILITY."""
+    made = Cluster(hosts, None, tmp_path, REDIS_LIMITS)
     try:
         yield made
     finally:
@@ -160,6 +180,21 @@ def test_worker_host_killed_mid_copy(cluster: Cluster, tmp_path: Path) -> None:
     took = _ended_correctly(job, run, files, lost, "worker host killed")
     assert took <= NODE_LOSS_BOUND
     assert cluster.deliveries(task) >= 2, "the copy did not run again elsewhere"
+    assert {k: v for k, v in snapshot(run).items() if k != "run.h5"} == before
+
+
+def test_worker_host_killed_mid_copy_on_redis(redis_cluster: Cluster, tmp_path: Path
+                                              ) -> None:
+    """The same loss with Redis as the broker: nobody returns the dead host's message; it
+    waits for the visibility timeout and the next restore sweep, then runs elsewhere."""
+    run, files, before = _run(tmp_path)
+    job = submit_consolidation("run", run)
+    victim, task = redis_cluster.copying_on(job)
+    victim.kill()
+    lost = time.monotonic()
+    took = _ended_correctly(job, run, files, lost, "worker host killed (Redis broker)")
+    assert took > REDIS_VISIBILITY - 15, "the dead host's copy came back before its timeout"
+    assert redis_cluster.deliveries(task) >= 2
     assert {k: v for k, v in snapshot(run).items() if k != "run.h5"} == before
 
 
