@@ -43,11 +43,12 @@ class Settings:
     Attributes
     ----------
     broker_url
-        Redis URL of the broker (``CHKQ_BROKER_URL``); None selects the
-        embedded local cluster.
+        URL of the broker (``CHKQ_BROKER_URL``): Redis (``redis://``) or
+        RabbitMQ (``amqp://``); None selects the embedded local cluster.
     result_backend
-        Redis URL of the result backend (``CHKQ_RESULT_BACKEND``), defaulting
-        to the broker.
+        Redis URL of the result backend (``CHKQ_RESULT_BACKEND``), where job
+        state lives, defaulting to the broker; required when the broker is
+        RabbitMQ.
     block_bytes
         Bytes of rows a task holds in memory at once (``CHKQ_BLOCK_BYTES``,
         default 64 MiB).
