@@ -204,10 +204,19 @@ def purge_queued(job: str) -> int:
     """Remove the job's messages still waiting in the broker's queues; return how many.
 
     A revoke reaches only the workers alive now: a message left in a queue
-    would run on a worker started later. kombu's Redis transport keeps each
-    queue as lists (one per priority step) of JSON messages whose headers
-    carry the task id.
+    would run on a worker started later.
     """
+    from chkq.config.celery_app import get_app
+    from chkq.config.settings import AMQP_SCHEMES, broker_scheme
+
+    if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
+        return _purge_amqp(job)
+    return _purge_redis(job)
+
+
+def _purge_redis(job: str) -> int:
+    """kombu's Redis transport keeps each queue as lists (one per priority step) of
+    JSON messages whose headers carry the task id: remove the job's from them."""
     import redis
 
     from chkq.config.celery_app import get_app
@@ -230,6 +239,48 @@ def purge_queued(job: str) -> int:
                         removed += int(client.lrem(key, 0, raw))  # type: ignore[arg-type]
     finally:
         client.close()
+    return removed
+
+
+def _purge_amqp(job: str) -> int:
+    """Take every message waiting in chkq's RabbitMQ queues, keep the job's, hand back the rest.
+
+    AMQP removes a message only by acknowledging it, so each queue's
+    messages are fetched one by one (``basic.get``, as many as the queue
+    held when the sweep began) and held unacknowledged: the job's are then
+    acknowledged (removed), every other one is returned to its queue
+    (``basic.reject`` with requeue). Should this process die meanwhile, RabbitMQ
+    returns all it held when its connection closes: no message is lost, and
+    for the sweep's few seconds other workers merely do not see them.
+    Messages that workers hold reserved are out of reach here; the revoke
+    that :func:`cancel_job` broadcasts drops those.
+    """
+    from chkq.config.celery_app import get_app
+    from chkq.config.routing import task_queues
+
+    removed = 0
+    with get_app().connection_for_write() as connection:
+        channel = connection.default_channel
+        for queue in task_queues(quorum=True):
+            bound = queue.bind(channel)
+            try:
+                _, waiting, _ = bound.queue_declare(passive=True)
+            except connection.channel_errors:
+                channel = connection.channel()  # a queue never declared: nothing queued
+                continue
+            others: list[Any] = []
+            for _ in range(waiting):
+                message = bound.get(no_ack=False)
+                if message is None:
+                    break
+                task = (message.headers or {}).get("id")
+                if isinstance(task, str) and _of_job(task, job):
+                    message.ack()
+                    removed += 1
+                else:
+                    others.append(message)
+            for message in others:
+                message.requeue()
     return removed
 
 
