@@ -41,6 +41,7 @@ from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app, get_settings
+from chkq.errors import BadMessageError, BadNameError, JobNotFoundError, JobStateGoneError
 from chkq.naming import check_job_id
 from chkq.plan import Plan
 from chkq.stamps import FileStamp
@@ -83,10 +84,18 @@ def fail_signature(out_dir: str, model: str, job: str) -> Any:
     return signature("chkq.fail", args=(out_dir, model, job), app=get_app())
 
 
-def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
-    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
+def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool,
+                            allow_gaps: bool = False) -> Any:
+    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback.
+
+    ``allow_gaps`` travels only when set, so that the message of an ordinary
+    job is the one every worker version accepts.
+    """
+    kwargs: dict[str, bool] = {"cleanup": cleanup}
+    if allow_gaps:
+        kwargs["allow_gaps"] = True
     return signature(
-        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=get_app()
+        "chkq.plan", args=(out_dir, model, job), kwargs=kwargs, app=get_app()
     ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job)])
 
 
@@ -169,7 +178,7 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
     """
     plan = recorded_plan(job)
     if plan is None:
-        raise FileNotFoundError(f"consolidation job {job} has no recorded plan: it failed, "
+        raise JobStateGoneError(f"consolidation job {job} has no recorded plan: it failed, "
                                 "was cancelled, or its records expired")
     _check_target(job, (out_dir, model), (plan.out_dir, plan.model))
     return plan
@@ -178,7 +187,7 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
 def _check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) -> None:
     """Refuse a message that names another directory and model than the job's records."""
     if named != recorded:
-        raise ValueError(f"the message for job {job} names {named[0]!r}/{named[1]!r}, but the "
+        raise BadMessageError(f"the message for job {job} names {named[0]!r}/{named[1]!r}, but the "
                          f"job consolidates {recorded[0]!r}/{recorded[1]!r}")
 
 
@@ -533,10 +542,10 @@ def resolve_job(text: str) -> str:
         return text
     found = find_jobs(text)
     if not found:
-        raise LookupError(f"no job {text}... in the result backend (never submitted, or "
+        raise JobNotFoundError(f"no job {text}... in the result backend (never submitted, or "
                           "expired)")
     if len(found) > 1:
-        raise ValueError(f"job id prefix {text} is ambiguous: it starts "
+        raise BadNameError(f"job id prefix {text} is ambiguous: it starts "
                          + ", ".join(found[:5]) + ("..." if len(found) > 5 else ""))
     return found[0]
 
@@ -588,7 +597,7 @@ def job_status(job: str) -> JobStatus:
     plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
     plan = plan if isinstance(plan, dict) else None
     if not info and plan_meta is None and link_meta is None:
-        raise LookupError(f"no job {job} in the result backend (never submitted, or expired)")
+        raise JobNotFoundError(f"no job {job} in the result backend (never submitted, or expired)")
 
     steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
     for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):

@@ -55,7 +55,9 @@ ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 USER_ERRORS: frozenset[str] = frozenset({
     "FileNotFoundError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
     "PermissionError", "ValueError", "CheckpointCorruptionError", "JobInterruptedError",
-    "JobCancelledError",
+    "JobCancelledError", "BadNameError", "RunNotFoundError", "RunNotADirectoryError",
+    "OutputExistsError", "OutputNotWritableError", "OutputWriteError", "NoCheckpointsError",
+    "CheckpointGapError", "BadCheckpointError", "BadMessageError", "JobStateGoneError",
 })
 
 
@@ -147,9 +149,10 @@ class ProgressLine:
             self.enabled = False
 
     def close(self) -> None:
+        """Erase the line, and a ``^C`` the terminal echoed after it (CR, erase to the end)."""
         if self.enabled and self.width:
             with contextlib.suppress(OSError):
-                print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)
+                print("\r\x1b[K", end="", file=self.stream, flush=True)
             self.width = 0
 
     def notice(self, message: str) -> None:
@@ -180,15 +183,19 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     if args.no_wait:
         if not get_settings().broker_url:
             raise ValueError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
-        print(submit_consolidation(args.model, args.out_dir, args.cleanup).id)
+        job = submit_consolidation(args.model, args.out_dir, args.cleanup,
+                                   allow_gaps=args.allow_gaps)
+        for warning in job.client_warnings:
+            say(f"warning: {warning}")
+        print(job.id)
         return 0
     line = ProgressLine()
     submitted: list[ConsolidationJob] = []
     try:
         summary = run_consolidation(
             args.model, args.out_dir, args.cleanup, workers=args.workers,
-            timeout=args.timeout, on_progress=line, on_notice=line.notice,
-            on_submitted=submitted.append)
+            timeout=args.timeout, allow_gaps=args.allow_gaps, on_progress=line,
+            on_notice=line.notice, on_submitted=submitted.append)
     except Interrupted as exc:
         line.close()
         if get_settings().broker_url and submitted:
@@ -328,6 +335,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="delete the checkpoints once the output is verified and linked")
     p.add_argument("--workers", type=positive_int, default=None,
                    help="embedded cluster size (default: CPU count; no broker configured)")
+    p.add_argument("--allow-gaps", action="store_true",
+                   help="consolidate even if checkpoint numbers are missing between the first "
+                   "and the last (a warning names them); refused otherwise")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
     p.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="give up waiting after this long (exit 1; a cluster job goes on)")

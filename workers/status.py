@@ -122,7 +122,10 @@ def format_recent(statuses: list[JobStatus]) -> str:
     """One line per job, newest first."""
     if not statuses:
         return "no recent jobs"
-    lines = [f"{'JOB':<32}  {'STATE':<8} {'PHASE':<10} {'SUBMITTED':<19}  MODEL / DETAIL"]
+    state_width = max(len("STATE"), *(len(s.state) for s in statuses))
+    phase_width = max(len("PHASE"), *(len(s.phase) for s in statuses))
+    lines = [f"{'JOB':<32}  {'STATE':<{state_width}} {'PHASE':<{phase_width}} "
+             f"{'SUBMITTED':<19}  MODEL / DETAIL"]
     for s in statuses:
         copied, verified, total = s.rows
         if s.state == "SUCCESS":
@@ -136,8 +139,8 @@ def format_recent(statuses: list[JobStatus]) -> str:
         else:
             detail = ""
         where = f"{s.model} in {s.out_dir}" if s.model else ""
-        lines.append(f"{s.job:<32}  {s.state:<8} {s.phase:<10} {_when(s.submitted):<19}  "
-                     f"{where}" + (f": {detail}" if detail else ""))
+        lines.append(f"{s.job:<32}  {s.state:<{state_width}} {s.phase:<{phase_width}} "
+                     f"{_when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
     return "\n".join(lines)
 
 
