@@ -173,8 +173,9 @@ def check_numbering(checkpoints: Sequence[Checkpoint], model: str, *,
     what = (f"checkpoint{'s' if len(missing) > 1 else ''} {_ranges(missing)} of model "
             f"{model!r} {'are' if len(missing) > 1 else 'is'} missing in {where!r} (found "
             f"{len(checkpoints)} between {first:05d} and {last:05d})")
+    them, their = ("them", "their") if len(missing) > 1 else ("it", "its")
     if allow_gaps:
-        return f"{what}: consolidated without {'them' if len(missing) > 1 else 'it'}"
+        return f"{what}: consolidated without {them}"
     raise CheckpointGapError(
-        f"{what}: their rows would be missing from the output; put them back, or accept "
+        f"{what}: {their} rows would be missing from the output; put {them} back, or accept "
         "the gap with --allow-gaps (Python: allow_gaps=True)")

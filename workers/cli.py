@@ -297,11 +297,10 @@ def no_private_tempdir() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from chkq.demo import RunShape, make_run
+    from chkq.demo import write_demo
 
-    files = make_run(args.out_dir, args.model, RunShape(
-        checkpoints=args.checkpoints, writers=args.writers, trials=args.trials,
-    ))
+    files = write_demo(args.out_dir, args.model, checkpoints=args.checkpoints,
+                       writers=args.writers, trials=args.trials)
     print(f"wrote {len(files)} checkpoint files of model {args.model!r} in {args.out_dir}")
     return 0
 
