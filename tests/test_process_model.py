@@ -11,7 +11,10 @@ hold its checkpoints only.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -171,23 +174,78 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     wait_for(lambda: snapshot(run_dir) == before, 15, "the reaper to remove the temporaries")
 
 
+@contextlib.contextmanager
+def write_lease(path: Path) -> Iterator[None]:
+    """Hold a write lease on ``path``: another process's ``open`` of it blocks until released.
+
+    The kernel lets the opener wait until the lease is released, or at most
+    ``/proc/sys/fs/lease-break-time`` seconds (45 by default). The lease
+    break's SIGIO is ignored here.
+    """
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+        signal.signal(signal.SIGIO, previous)
+
+
+def gated_redis(bin_dir: Path, gate: Path) -> str:
+    """A ``redis-server`` for PATH that starts the real one only once ``gate`` exists; PATH.
+
+    The embedded cluster starts its broker after the client's checks, so
+    the test knows, when the gated server shows up, that the client has
+    closed every checkpoint and that no worker can have opened one yet.
+    """
+    real = shutil.which("redis-server")
+    assert real is not None, "the tests need redis-server on PATH"
+    bin_dir.mkdir()
+    script = bin_dir / "redis-server"
+    script.write_text(f"""#!/bin/sh
+case "$1" in --version|-v) exec {real} "$@";; esac
+while [ ! -e {gate} ]; do sleep 0.01; done
+exec {real} "$@"
+""")
+    script.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
         run_dir: Path, tmp_path: Path) -> None:
-    """The job fails on the client's side (``--timeout``): exit 1, nothing left."""
+    """The job fails on the client's side (``--timeout``): exit 1, nothing left.
+
+    The job cannot finish first, however fast the machine: the planning step
+    blocks opening the template checkpoint, on which the test holds a lease
+    from before any worker starts until the command has ended.
+    """
     before = snapshot(run_dir)
     tmp = tmp_path / "tmp"
+    gate = tmp_path / "gate"
+    path = gated_redis(tmp_path / "bin", gate)
+    template = sorted(run_dir.glob("run_chk*/*.h5"))[-2]
     command = Command(["consolidate", "run", "--out-dir", str(run_dir), "--workers", "2",
                        "--timeout", "1"],
-                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024)))
-    while command.process.poll() is None:
-        command.watch_tree()
+                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=path))
+    deadline = time.monotonic() + 60
+    while not any("redis-server" in command_line(p) for p in alive(command.watch_tree())):
+        assert command.process.poll() is None, command.process.communicate()
+        assert time.monotonic() < deadline, "the embedded cluster did not start"
         time.sleep(0.02)
-    out, err = command.process.communicate()
+    with write_lease(template):
+        gate.touch()
+        while command.process.poll() is None:
+            command.watch_tree()
+            time.sleep(0.02)
+        out, err = command.process.communicate()
+        wait_gone(list(command.tree.values()))
     assert command.process.returncode == 1, err
     assert err.startswith("error: job ") and "did not finish within 1 s" in err, err
     assert len(err.splitlines()) == 1, err
-    wait_gone(list(command.tree.values()))
-    assert len(command.tree) >= 2
+    assert len(command.tree) >= 3, "redis-server, the worker and its pool"
     assert list(tmp.iterdir()) == []
     checkpoints_only(run_dir, before)
 
