@@ -26,10 +26,12 @@ that a signed body can never be fed to another decoder.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chkq.config.settings import Settings
+from chkq.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -59,11 +61,27 @@ def signing_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _why_unreadable(path: str) -> str:
+    """What an administrator needs to fix an unreadable secret: it is missing, or whose it is."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return ("it does not exist: the secrets directory (CHKQ_SECRETS in compose.yaml, "
+                "./secrets by default) must hold chkq.key, chkq.pem and trusted/")
+    except OSError as exc:
+        return str(exc.strerror)
+    return (f"it is owned by uid {found.st_uid} (gid {found.st_gid}) with mode "
+            f"{stat.filemode(found.st_mode)}: make it readable by uid {os.geteuid()}, e.g. "
+            "chown it to the workers' user (CHKQ_UID in compose.yaml)")
+
+
 def _read(path: str, what: str) -> str:
     try:
         return Path(path).read_text()
     except OSError as exc:
-        raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+        raise ConfigurationError(
+            f"cannot read the {what} {path!r} as uid {os.geteuid()} ({exc.strerror}): "
+            f"{_why_unreadable(path)}") from None
 
 
 def install_signing(app: Celery, settings: Settings) -> None:

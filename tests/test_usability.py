@@ -35,6 +35,7 @@ from chkq.tasks.protocol import JobStatus, consolidation_signature, record_submi
 from chkq.workers.client import ConsolidationJob, ConsolidationWarning, submit_consolidation
 from tests.helpers import assert_consolidated, snapshot
 from tests.plugins.cluster import WorkerProcess
+from tests.plugins.users import LocalUser
 
 TIMEOUT = 180
 
@@ -350,3 +351,40 @@ def test_the_progress_line_is_erased_with_what_the_terminal_echoed() -> None:
     line(Progress("copying", 10, 0, 100))
     line.close()
     assert term.getvalue().endswith("\r\x1b[K"), repr(term.getvalue())
+
+
+# ------------------------------------------------------------------ worker start
+
+
+def test_a_worker_that_cannot_read_the_signing_key_says_why(
+        local_users: tuple[LocalUser, ...]) -> None:
+    """A key readable by root only (a ``./secrets`` the workers' user does not own), or no key
+    at all (compose made an empty ``./secrets``): ``chkq worker`` exits 1 at once, naming the
+    file, the worker's uid, the file's owner, and what to do."""
+    worker_user = local_users[0]
+    secrets = worker_user.home / f"secrets-{uuid.uuid4().hex[:8]}"
+    (secrets / "trusted").mkdir(parents=True)
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                    "-subj", "/CN=chkq", "-keyout", str(secrets / "chkq.key"),
+                    "-out", str(secrets / "chkq.pem")], check=True, capture_output=True)
+    shutil.copy(secrets / "chkq.pem", secrets / "trusted" / "chkq.pem")
+    os.chmod(secrets / "chkq.key", 0o600)
+    secrets.chmod(0o755)
+    env = {"CHKQ_BROKER_URL": "redis://127.0.0.1:9/0",
+           "CHKQ_SECURITY_KEY": str(secrets / "chkq.key"),
+           "CHKQ_SECURITY_CERTIFICATE": str(secrets / "chkq.pem"),
+           "CHKQ_SECURITY_CERT_STORE": str(secrets / "trusted")}
+    done = worker_user.run([sys.executable, "-m", "chkq.workers.cli", "worker"], env=env,
+                           timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert err == (f"error: cannot read the private key (CHKQ_SECURITY_KEY) "
+                   f"'{secrets / 'chkq.key'}' as uid {worker_user.uid} (Permission denied): it "
+                   f"is owned by uid 0 (gid 0) with mode -rw-------: make it readable by uid "
+                   f"{worker_user.uid}, e.g. chown it to the workers' user (CHKQ_UID in "
+                   "compose.yaml)\n"), err
+    missing = worker_user.run([sys.executable, "-m", "chkq.workers.cli", "worker"],
+                              env={**env, "CHKQ_SECURITY_KEY": str(secrets / "none.key")},
+                              timeout=60)
+    assert missing.returncode == 1
+    assert "it does not exist: the secrets directory (CHKQ_SECRETS" in missing.stderr.decode()
