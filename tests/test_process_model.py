@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
 
 from chkq.demo import RunShape, make_run
 from tests.helpers import snapshot, wait_for
@@ -104,7 +106,14 @@ class Command:
         return now
 
     def wait_running(self, run_dir: Path, workers: int, timeout: float = 90.0) -> None:
-        """Until redis-server, the worker and its pool exist and the job wrote temporaries."""
+        """Until redis-server, the worker and its pool exist and the job wrote temporaries;
+        then hold the job there.
+
+        The embedded broker is told to hold every write (``CLIENT PAUSE WRITE``):
+        no task can be delivered (BRPOP writes), report or record its end, so the
+        job cannot finish however fast the machine, while the command keeps
+        waiting (its polls only read).
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.process.communicate()
@@ -112,8 +121,10 @@ class Command:
             names = " ".join(command_line(p) for p in alive(now))
             started = "redis-server" in names and len(now) >= 2 + workers
             if started and any(p.name.startswith(".chkq-") for p in run_dir.iterdir()):
+                pause_writes(now)
+                assert not (run_dir / "run.h5").exists(), "the job finished before it was held"
                 return
-            time.sleep(0.05)
+            time.sleep(0.01)
         raise AssertionError(f"the job did not start: {self.watch_tree()}")
 
     def end(self, sig: int) -> float:
@@ -122,6 +133,22 @@ class Command:
         self.process.send_signal(sig)
         self.process.wait(60)
         return wait_gone(list(self.tree.values()))
+
+
+def pause_writes(processes: list[psutil.Process], seconds: int = 120) -> None:
+    """``CLIENT PAUSE WRITE`` on the embedded redis-server among ``processes``.
+
+    redis-server shows its address in its process title (``redis-server 127.0.0.1:PORT``).
+    """
+    for process in alive(processes):
+        title = re.search(r"redis-server \S*:(\d+)", command_line(process))
+        if title is not None:
+            port = int(title.group(1))
+            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+            client.execute_command("CLIENT", "PAUSE", seconds * 1000, "WRITE")
+            client.close()
+            return
+    raise AssertionError("no embedded redis-server to pause")
 
 
 @pytest.fixture
