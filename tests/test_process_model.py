@@ -11,8 +11,6 @@ hold its checkpoints only.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import re
 import shutil
@@ -28,7 +26,7 @@ import pytest
 import redis
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import snapshot, wait_for
+from tests.helpers import snapshot, wait_for, write_lease
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 
@@ -199,26 +197,6 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     assert list(tmp.iterdir()) == [], "no directory is left, even after SIGKILL"
     assert not (run_dir / "run.h5").exists()
     wait_for(lambda: snapshot(run_dir) == before, 15, "the reaper to remove the temporaries")
-
-
-@contextlib.contextmanager
-def write_lease(path: Path) -> Iterator[None]:
-    """Hold a write lease on ``path``: another process's ``open`` of it blocks until released.
-
-    The kernel lets the opener wait until the lease is released, or at most
-    ``/proc/sys/fs/lease-break-time`` seconds (45 by default). The lease
-    break's SIGIO is ignored here.
-    """
-    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        os.close(fd)
-        signal.signal(signal.SIGIO, previous)
 
 
 def gated_redis(bin_dir: Path, gate: Path) -> str:
