@@ -29,8 +29,10 @@ from typing import Any
 
 from chkq.errors import (  # noqa: F401 (re-exported)
     CheckpointCorruptionError,
+    CheckpointNotFoundError,
     FileChangedError,
     NothingToRestoreError,
+    OutputExistsError,
     ParentNotCommittedError,
 )
 from chkq.log import (
@@ -93,11 +95,12 @@ def resolve_id(log: CheckpointLog, ref: str) -> str:
     if len(ref) == 64 and ref in log:
         return ref
     if len(ref) < 6:
-        raise KeyError(f"checkpoint id {ref!r} is too short (give at least 6 hex digits)")
+        raise CheckpointNotFoundError(
+            f"checkpoint id {ref!r} is too short (give at least 6 hex digits)")
     matches = [i for i in log.ids() if i.startswith(ref)]
     if len(matches) != 1:
         what = "no checkpoint" if not matches else f"{len(matches)} checkpoints"
-        raise KeyError(f"{what} of run {log.run_id!r} match id {ref!r}")
+        raise CheckpointNotFoundError(f"{what} of run {log.run_id!r} match id {ref!r}")
     return matches[0]
 
 
@@ -173,7 +176,7 @@ def _open_dir_at(fd: int, name: str, *, create: bool, shown: str) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{shown!r} is a symbolic link or not a directory; not followed") from None
         raise
 
@@ -204,7 +207,7 @@ def _write_temp(dir_fd: int, data: bytes) -> str:
             continue
         break
     else:
-        raise FileExistsError("could not create a temporary file")
+        raise OutputExistsError("could not create a temporary file")
     try:
         view = memoryview(data)
         while view:
@@ -227,12 +230,12 @@ def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise FileExistsError(f"{shown!r} is a symbolic link; not overwritten") from None
+            raise OutputExistsError(f"{shown!r} is a symbolic link; not overwritten") from None
         raise
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise FileExistsError(f"{shown!r} exists and is not a regular file")
+            raise OutputExistsError(f"{shown!r} exists and is not a regular file")
         while block := fh.read(1 << 24):
             digest.update(block)
     return digest.hexdigest()
@@ -366,7 +369,7 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
             if _digest_at(dir_fd, parts[-1], str(target)) == entry.id:
                 result.kept.append(target)
                 return target
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{str(target)!r} exists with other content; not overwritten") from None
         finally:
             with contextlib.suppress(OSError):

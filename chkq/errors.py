@@ -20,7 +20,8 @@ class ChkqError(Exception):
 
 
 class BadNameError(ChkqError, ValueError):
-    """A model name, job id or path cannot name what it must (a separator, ``..``, NUL...)."""
+    """A name cannot name what it must: a model, job id, path, run id, checkpoint name or
+    store URL with a separator, ``..``, NUL, no bucket, an unknown scheme..."""
 
 
 class RunNotFoundError(ChkqError, FileNotFoundError):
@@ -68,6 +69,10 @@ class BadCheckpointError(ChkqError, ValueError):
 
 class BadMessageError(ChkqError, ValueError):
     """A task message or a job record is malformed or names what its job does not."""
+
+
+class BadMessageTypeError(BadMessageError, TypeError):
+    """A task message's argument has the wrong type (also a TypeError, as Python's own)."""
 
 
 class JobStateGoneError(ChkqError, FileNotFoundError):
@@ -140,6 +145,14 @@ class JobLostError(ChkqError, RuntimeError):
 
 class FileChangedError(ChkqError, OSError):
     """A checkpoint file changed while it was read (it was still being written)."""
+
+
+class CheckpointNotFoundError(ChkqError, KeyError):
+    """No checkpoint of the run has this id (or none, or several, start with this prefix)."""
+
+
+class SourceNotFoundError(ChkqError, FileNotFoundError):
+    """A checkpoint file to commit does not exist here, or is not a regular file."""
 
 
 class ParentNotCommittedError(ChkqError, LookupError):

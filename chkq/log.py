@@ -96,7 +96,7 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from chkq import delta as codec
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import BadNameError, CheckpointCorruptionError, CheckpointNotFoundError
 from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
 
 __all__ = [
@@ -150,11 +150,11 @@ def check_relative_name(name: str) -> str:
         backslash or a NUL character.
     """
     if not isinstance(name, str):
-        raise ValueError(f"invalid checkpoint name {name!r}: not a string")
+        raise BadNameError(f"invalid checkpoint name {name!r}: not a string")
     parts = PurePosixPath(name).parts
     if not parts or name.startswith("/") or any(p in ("", ".", "..") for p in parts) \
             or "//" in name or name.endswith("/") or "\\" in name or "\x00" in name:
-        raise ValueError(f"invalid checkpoint name {name!r}: expected a relative path "
+        raise BadNameError(f"invalid checkpoint name {name!r}: expected a relative path "
                          "inside the run directory")
     return name
 
@@ -489,11 +489,11 @@ def validate_run_id(run_id: str) -> str:
         If it is empty, contains ``/``, a backslash or NUL, or is ``.``/``..``.
     """
     if not isinstance(run_id, str) or not run_id or "/" in run_id:
-        raise ValueError(f"invalid run id {run_id!r}: must be a non-empty name without '/'")
+        raise BadNameError(f"invalid run id {run_id!r}: must be a non-empty name without '/'")
     try:
         validate_key(run_id)
     except InvalidKeyError as exc:
-        raise ValueError(f"invalid run id {run_id!r}: {exc}") from None
+        raise BadNameError(f"invalid run id {run_id!r}: {exc}") from None
     return run_id
 
 
@@ -618,10 +618,10 @@ class CheckpointLog:
         try:
             validate_key(checkpoint)
         except InvalidKeyError:
-            raise KeyError(checkpoint) from None
+            raise CheckpointNotFoundError(checkpoint) from None
         record = self._fetch_record(checkpoint)
         if record is None:
-            raise KeyError(checkpoint)
+            raise CheckpointNotFoundError(checkpoint)
         return record
 
     def __contains__(self, checkpoint: object) -> bool:

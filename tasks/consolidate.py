@@ -44,6 +44,7 @@ from chkq.copy_rows import copy_unit
 from chkq.discovery import Checkpoint, check_model_name, check_numbering, check_out_dir
 from chkq.errors import (
     BadMessageError,
+    BadMessageTypeError,
     ChkqError,
     JobStateGoneError,
     UnprovenJobError,  # noqa: F401 (re-exported)
@@ -212,11 +213,12 @@ def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if key in kwargs:
             value = kwargs[key]
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-                raise TypeError(f"task argument {key} must be a list of names, got {value!r}")
+                raise BadMessageTypeError(
+                    f"task argument {key} must be a list of names, got {value!r}")
             what[key] = ",".join(value)
     if "rows" in kwargs and (isinstance(kwargs["rows"], bool)
                              or not isinstance(kwargs["rows"], int)):
-        raise TypeError(f"task argument rows must be an integer, got {kwargs['rows']!r}")
+        raise BadMessageTypeError(f"task argument rows must be an integer, got {kwargs['rows']!r}")
     return what
 
 
@@ -232,9 +234,9 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     refused unless ``allow_gaps``.
     """
     if not isinstance(cleanup, bool):
-        raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
+        raise BadMessageTypeError(f"cleanup must be true or false, got {cleanup!r}")
     if not isinstance(allow_gaps, bool):
-        raise TypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
+        raise BadMessageTypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
     plan = protocol.recorded_plan(job)
     if plan is None:
         plan = protocol.store_plan(prepare(

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from chkq import __version__
+from chkq.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from chkq.workers.client import ConsolidationJob, Progress
@@ -57,7 +58,8 @@ USER_ERRORS: frozenset[str] = frozenset({
     "PermissionError", "ValueError", "CheckpointCorruptionError", "JobInterruptedError",
     "JobCancelledError", "BadNameError", "RunNotFoundError", "RunNotADirectoryError",
     "OutputExistsError", "OutputNotWritableError", "OutputWriteError", "NoCheckpointsError",
-    "CheckpointGapError", "BadCheckpointError", "BadMessageError", "JobStateGoneError",
+    "CheckpointGapError", "BadCheckpointError", "BadMessageError", "BadMessageTypeError",
+    "JobStateGoneError", "SourceNotFoundError", "CheckpointNotFoundError",
 })
 
 
@@ -182,7 +184,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
     if args.no_wait:
         if not get_settings().broker_url:
-            raise ValueError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
+            raise ConfigurationError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
         job = submit_consolidation(args.model, args.out_dir, args.cleanup,
                                    allow_gaps=args.allow_gaps)
         for warning in job.client_warnings:

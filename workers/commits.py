@@ -16,6 +16,7 @@ from typing import Any
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app, get_settings
+from chkq.errors import SourceNotFoundError
 from chkq.log import CheckpointRecord, validate_run_id
 from chkq.stores.url import parse_store_url
 
@@ -50,7 +51,7 @@ def submit_commit(
     validate_run_id(run)
     source = Path(path).absolute()
     if not source.is_file():
-        raise FileNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+        raise SourceNotFoundError(f"checkpoint file {str(source)!r} does not exist")
     kwargs: dict[str, Any] = {
         "parent": parent, "parent_head": parent_head, "step": step, "label": label,
         "name": name, "model": model, "expect_id": expect_id,

@@ -28,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chkq.errors import ConfigurationError
+
 if TYPE_CHECKING:  # the module is imported for --help, which must not load Celery
     from chkq.tasks.protocol import JobStatus, UnitState
 
@@ -163,7 +165,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import job_status, resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
+        raise ConfigurationError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
         if args.json:
@@ -311,7 +313,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
+        raise ConfigurationError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
                          "embedded cluster ends with its command)")
     print(cancel_job(resolve_job(args.job)))
     return 0
