@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from chkq.errors import (  # noqa: F401 (re-exported)
+    AmbiguousParentError,
     CheckpointCorruptionError,
     CheckpointNotFoundError,
     FileChangedError,
@@ -108,7 +109,7 @@ def single_head(log: CheckpointLog) -> str | None:
     """The run's one head (None for an empty run); ValueError if it has several."""
     heads = log.heads()
     if len(heads) > 1:
-        raise ValueError(
+        raise AmbiguousParentError(
             f"run {log.run_id!r} has {len(heads)} heads; name the parent with --parent ID"
         )
     return heads[0].id if heads else None

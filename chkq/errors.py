@@ -159,6 +159,14 @@ class ParentNotCommittedError(ChkqError, LookupError):
     """The parent named for a commit is not (yet) in the log."""
 
 
+class UnknownParentError(ParentNotCommittedError, ValueError):
+    """The parent named for a commit is no checkpoint of the run (also a ValueError)."""
+
+
+class AmbiguousParentError(ChkqError, ValueError):
+    """The run has several heads: the parent of a commit must be named."""
+
+
 class NothingToRestoreError(ChkqError, LookupError):
     """The run has no files to restore (or none of the model asked for)."""
 

@@ -96,7 +96,12 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from chkq import delta as codec
-from chkq.errors import BadNameError, CheckpointCorruptionError, CheckpointNotFoundError
+from chkq.errors import (
+    BadNameError,
+    CheckpointCorruptionError,
+    CheckpointNotFoundError,
+    UnknownParentError,
+)
 from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
 
 __all__ = [
@@ -948,7 +953,8 @@ class CheckpointLog:
             parent_record = None
             if parent is not None:
                 if parent not in self:
-                    raise ValueError(f"unknown parent checkpoint {parent!r} in run {self.run_id!r}")
+                    raise UnknownParentError(
+                        f"unknown parent checkpoint {parent!r} in run {self.run_id!r}")
                 parent_record = self.record(parent)
             delta_payload = None
             if parent_record is not None and parent_record.depth < self.max_chain:

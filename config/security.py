@@ -113,14 +113,14 @@ def install_signing(app: Celery, settings: Settings) -> None:
     cert_pem = _read(settings.security_certificate, "certificate (CHKQ_SECURITY_CERTIFICATE)")
     store_path = settings.security_cert_store
     if not os.path.isdir(store_path) or not os.listdir(store_path):
-        raise ValueError(f"CHKQ_SECURITY_CERT_STORE {store_path!r} must be a directory "
+        raise ConfigurationError(f"CHKQ_SECURITY_CERT_STORE {store_path!r} must be a directory "
                          "holding the PEM certificates of the trusted signers")
     try:
         key, cert, store = PrivateKey(key_pem), Certificate(cert_pem), FSCertStore(store_path)
     except (SecurityError, ValueError, TypeError, OSError) as exc:
-        raise ValueError(f"message signing is misconfigured: {exc}") from None
+        raise ConfigurationError(f"message signing is misconfigured: {exc}") from None
     if key._key.public_key().public_numbers() != cert.get_pubkey().public_numbers():
-        raise ValueError("CHKQ_SECURITY_KEY does not match CHKQ_SECURITY_CERTIFICATE")
+        raise ConfigurationError("CHKQ_SECURITY_KEY does not match CHKQ_SECURITY_CERTIFICATE")
     app.setup_security(allowed_serializers=["json"], digest=DIGEST, serializer="json")
     strict = StrictSecureSerializer(key, cert, store, DIGEST, serializer="json")
     registry.register("auth", strict.serialize, strict.deserialize,

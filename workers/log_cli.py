@@ -33,6 +33,7 @@ from chkq.commits import (
     write_output,
 )
 from chkq.config.settings import Settings
+from chkq.errors import ChkqError
 from chkq.log import (
     DEFAULT_GC_AGE,
     CheckpointLog,
@@ -47,7 +48,7 @@ IN_PROCESS_SCHEMES = ("file", "memory")
 """Stores ``chkq log commit`` writes to in this process when no broker is configured."""
 
 
-class CommandError(Exception):
+class CommandError(ChkqError):
     """A failure the command line reports as its one ``error:`` line."""
 
 
