@@ -19,6 +19,7 @@ import h5py
 import pytest
 
 import chkq
+from chkq.config.celery_app import get_app
 from chkq.demo import RunShape, make_run
 from chkq.errors import (
     BadCheckpointError,
@@ -161,7 +162,7 @@ def test_errors_raised_by_a_worker_arrive_as_chkq_errors(worker: WorkerProcess,
         record_submitted(job, "run", str(where))
         consolidation_signature(str(where), "run", job, False).apply_async()
         with pytest.raises(own) as caught:
-            ConsolidationJob(job).wait_for_output(timeout=TIMEOUT)
+            ConsolidationJob(job, app=get_app()).wait_for_output(timeout=TIMEOUT)
         assert isinstance(caught.value, chkq.ChkqError) and isinstance(caught.value, builtin)
         shown = cli("status", job, env=dict(os.environ))
         assert shown.returncode == 1
