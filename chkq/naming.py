@@ -7,13 +7,17 @@ so that two jobs never share one and cleanup removes only its own job's.
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.discovery import check_model_name
 from chkq.errors import BadNameError
+
+log = logging.getLogger(__name__)
 
 _JOB_ID = re.compile(r"[0-9a-f]{8,32}")
 
@@ -62,10 +66,43 @@ class JobFiles:
 
 
 def discard_job_files(job: JobFiles) -> list[Path]:
-    """Remove every temporary of ``job`` (never the output, never a checkpoint)."""
-    removed = []
-    for path in job.temporaries():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
+    """Remove every temporary of ``job`` (never the output, never a checkpoint); never raise.
+
+    Only regular files go: a job creates its temporaries as files
+    (``O_EXCL|O_NOFOLLOW``), so an entry named like one that is a directory,
+    a link or anything else was planted, and is left as it is (logged), never
+    entered or followed. Entries are removed through a descriptor of the
+    directory, by name, one at a time; one that cannot be removed is logged
+    and the others still go, so that a failing job's cleanup never fails.
+    """
+    removed: list[Path] = []
+    start = job.prefix + "."
+    try:
+        dir_fd = os.open(job.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        log.warning("temporaries of job %s in %r were left: %s", job.job_id, str(job.out_dir),
+                    exc.strerror)
+        return removed
+    try:
+        for name in sorted(os.listdir(dir_fd)):
+            if not name.startswith(start):
+                continue
+            shown = str(job.out_dir / name)
+            try:
+                st = os.lstat(name, dir_fd=dir_fd)
+                if not stat.S_ISREG(st.st_mode):
+                    log.warning("%r was left: it is named like a temporary of job %s but is "
+                                "not a regular file, so the job did not make it", shown,
+                                job.job_id)
+                    continue
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("temporary %r of job %s was left: %s", shown, job.job_id,
+                            exc.strerror)
+                continue
+            removed.append(job.out_dir / name)
+    finally:
+        os.close(dir_fd)
     return removed
