@@ -12,7 +12,7 @@ hold its checkpoints only.
 from __future__ import annotations
 
 import os
-import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -103,7 +103,8 @@ class Command:
             self.tree.setdefault(child.pid, child)
         return now
 
-    def wait_running(self, run_dir: Path, workers: int, timeout: float = 90.0) -> None:
+    def wait_running(self, run_dir: Path, workers: int, broker: Broker,
+                     timeout: float = 90.0) -> None:
         """Until redis-server, the worker and its pool exist and the job wrote temporaries;
         then hold the job there.
 
@@ -119,7 +120,7 @@ class Command:
             names = " ".join(command_line(p) for p in alive(now))
             started = "redis-server" in names and len(now) >= 2 + workers
             if started and any(p.name.startswith(".chkq-") for p in run_dir.iterdir()):
-                pause_writes(now)
+                broker.pause_writes()
                 assert not (run_dir / "run.h5").exists(), "the job finished before it was held"
                 return
             time.sleep(0.01)
@@ -133,20 +134,55 @@ class Command:
         return wait_gone(list(self.tree.values()))
 
 
-def pause_writes(processes: list[psutil.Process], seconds: int = 120) -> None:
-    """``CLIENT PAUSE WRITE`` on the embedded redis-server among ``processes``.
+class Broker:
+    """A ``redis-server`` for the command's PATH that shows the test the embedded broker.
 
-    redis-server shows its address in its process title (``redis-server 127.0.0.1:PORT``).
+    It records each start (its arguments, in ``starts``), keeps the
+    configuration chkq feeds on its standard input (socket and password, in
+    ``config``), and with a ``gate`` starts the real server only once that
+    file exists.
     """
-    for process in alive(processes):
-        title = re.search(r"redis-server \S*:(\d+)", command_line(process))
-        if title is not None:
-            port = int(title.group(1))
-            client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=10)
+
+    def __init__(self, directory: Path, gate: Path | None = None) -> None:
+        real = shutil.which("redis-server")
+        assert real is not None, "the tests need redis-server on PATH"
+        self.bin_dir, self.gate = directory / "bin", gate
+        self.starts, self.config = directory / "redis-starts", directory / "redis.conf"
+        self.bin_dir.mkdir(parents=True)
+        script = self.bin_dir / "redis-server"
+        wait = f"while [ ! -e {gate} ]; do sleep 0.01; done\n" if gate is not None else ""
+        script.write_text(f"""#!/bin/sh
+case "$1" in --version|-v) exec {real} "$@";; esac
+echo "$*" >> {self.starts}
+cat > {self.config}
+{wait}exec {real} "$@" < {self.config}
+""")
+        script.chmod(0o755)
+
+    def path(self) -> str:
+        """PATH for the command: this ``redis-server`` first."""
+        return f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+
+    def client(self) -> redis.Redis:
+        """A client of the running embedded broker (its socket and password)."""
+        settings: dict[str, str] = {}
+        for line in self.config.read_text().splitlines():
+            words = shlex.split(line)
+            if len(words) == 2:
+                settings[words[0]] = words[1]
+        if settings.get("unixsocket"):
+            return redis.Redis(unix_socket_path=settings["unixsocket"],
+                               password=settings.get("requirepass"), socket_timeout=10)
+        return redis.Redis(host="127.0.0.1", port=int(settings["port"]),
+                           password=settings.get("requirepass"), socket_timeout=10)
+
+    def pause_writes(self, seconds: int = 120) -> None:
+        """``CLIENT PAUSE WRITE``: no task is delivered, reports or records its end."""
+        client = self.client()
+        try:
             client.execute_command("CLIENT", "PAUSE", seconds * 1000, "WRITE")
+        finally:
             client.close()
-            return
-    raise AssertionError("no embedded redis-server to pause")
 
 
 @pytest.fixture
@@ -167,9 +203,10 @@ def test_a_signal_ends_the_command_and_everything_it_started(
     """SIGINT (Ctrl-C), SIGTERM, SIGHUP: exit 128+N, one error line, no child, no temporary."""
     before = snapshot(run_dir)
     tmp = tmp_path / "tmp"
+    broker = Broker(tmp_path / "broker")
     command = Command(["consolidate", "run", "--out-dir", str(run_dir), "--workers", "2"],
-                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024)))
-    command.wait_running(run_dir, workers=2)
+                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=broker.path()))
+    command.wait_running(run_dir, workers=2, broker=broker)
     seconds = command.end(sig)
     out, err = command.process.communicate()
     assert command.process.returncode == 128 + sig, err
@@ -187,9 +224,10 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     temporaries from the run directory."""
     before = snapshot(run_dir)
     tmp = tmp_path / "tmp"
+    broker = Broker(tmp_path / "broker")
     command = Command(["consolidate", "run", "--out-dir", str(run_dir), "--workers", "2"],
-                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024)))
-    command.wait_running(run_dir, workers=2)
+                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=broker.path()))
+    command.wait_running(run_dir, workers=2, broker=broker)
     seconds = command.end(signal.SIGKILL)
     assert command.process.returncode == -signal.SIGKILL
     assert seconds < 5, f"the tree took {seconds:.2f} s to go"
@@ -197,26 +235,6 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     assert list(tmp.iterdir()) == [], "no directory is left, even after SIGKILL"
     assert not (run_dir / "run.h5").exists()
     wait_for(lambda: snapshot(run_dir) == before, 15, "the reaper to remove the temporaries")
-
-
-def gated_redis(bin_dir: Path, gate: Path) -> str:
-    """A ``redis-server`` for PATH that starts the real one only once ``gate`` exists; PATH.
-
-    The embedded cluster starts its broker after the client's checks, so
-    the test knows, when the gated server shows up, that the client has
-    closed every checkpoint and that no worker can have opened one yet.
-    """
-    real = shutil.which("redis-server")
-    assert real is not None, "the tests need redis-server on PATH"
-    bin_dir.mkdir()
-    script = bin_dir / "redis-server"
-    script.write_text(f"""#!/bin/sh
-case "$1" in --version|-v) exec {real} "$@";; esac
-while [ ! -e {gate} ]; do sleep 0.01; done
-exec {real} "$@"
-""")
-    script.chmod(0o755)
-    return f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
@@ -230,11 +248,11 @@ def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
     before = snapshot(run_dir)
     tmp = tmp_path / "tmp"
     gate = tmp_path / "gate"
-    path = gated_redis(tmp_path / "bin", gate)
+    broker = Broker(tmp_path / "broker", gate)
     template = sorted(run_dir.glob("run_chk*/*.h5"))[-2]
     command = Command(["consolidate", "run", "--out-dir", str(run_dir), "--workers", "2",
                        "--timeout", "1"],
-                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=path))
+                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=broker.path()))
     deadline = time.monotonic() + 60
     while not any("redis-server" in command_line(p) for p in alive(command.watch_tree())):
         assert command.process.poll() is None, command.process.communicate()
@@ -295,13 +313,9 @@ def test_refusals_need_no_cluster(tmp_path: Path) -> None:
     make_run(run_dir, "exists", RunShape(checkpoints=1, trials=5))
     (run_dir / "gap_chk00001.h5").write_bytes((run_dir / "run_chk00001.h5").read_bytes())
     (run_dir / "gap_chk00003.h5").write_bytes((run_dir / "run_chk00002.h5").read_bytes())
-    starts = tmp_path / "redis-starts"
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "redis-server").write_text(
-        f"#!/bin/sh\necho \"$*\" >> {starts}\nexec {shutil.which('redis-server')} \"$@\"\n")
-    (bin_dir / "redis-server").chmod(0o755)
-    env = embedded_env(tmp_path / "tmp", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    broker = Broker(tmp_path / "broker")
+    starts = broker.starts
+    env = embedded_env(tmp_path / "tmp", PATH=broker.path())
     cases = {
         "exists": ("exists", str(run_dir), "exists"),
         "no checkpoints": ("other", str(run_dir), "no checkpoints"),
