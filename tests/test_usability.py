@@ -221,6 +221,26 @@ def test_allow_gaps_from_python_on_a_cluster_warns_and_cleans_up(
     assert_consolidated(output, [keep / f.relative_to(run) for f in files])
 
 
+def test_a_gap_in_a_run_scanned_in_parallel(worker: WorkerProcess, tmp_path: Path) -> None:
+    """More than SCAN_FILES files: the plan step runs again after its scan units, and an
+    accepted gap stays accepted there; without --allow-gaps the worker refuses it too."""
+    from chkq.planner import SCAN_FILES
+
+    run = tmp_path / "run"
+    files = make_run(run, "run", RunShape(checkpoints=SCAN_FILES + 20, trials=1))
+    (run / "run_chk00002.h5").unlink()
+    files = [f for f in files if f.exists()]
+    job = uuid.uuid4().hex
+    record_submitted(job, "run", str(run))
+    consolidation_signature(str(run), "run", job, False).apply_async()
+    with pytest.raises(CheckpointGapError, match="checkpoint 00002 of model 'run' is missing"):
+        ConsolidationJob(job, app=get_app()).wait_for_output(timeout=TIMEOUT)
+    handle = submit_consolidation("run", run, allow_gaps=True)
+    assert handle.client_warnings and "00002" in handle.client_warnings[0]
+    output = handle.wait_for_output(timeout=TIMEOUT)
+    assert_consolidated(output, files)
+
+
 # ------------------------------------------------------------------ demo
 
 
