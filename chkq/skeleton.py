@@ -34,6 +34,7 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 
+from chkq.errors import OutputExistsError
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
 from chkq.structure import stored_chunks, walk_objects
@@ -363,7 +364,7 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
     layout: dict[str, list[int]] = {}
     with h5py.File(temp, "r+", libver=bounds) as out:
         if os.fstat(out.id.get_vfd_handle()).st_ino != inode:
-            raise FileExistsError(f"{str(temp)!r} was replaced while the job created it")
+            raise OutputExistsError(f"{str(temp)!r} was replaced while the job created it")
         for name, total in rows.items():
             dataset = out[name]
             if name in recreated:

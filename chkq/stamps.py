@@ -17,7 +17,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from chkq.errors import CheckpointChangedError
+from chkq.errors import BadCheckpointError, CheckpointChangedError
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ def stamp_of(path: str | Path) -> FileStamp:
     """
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
+        raise BadCheckpointError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
                          "in a run directory")
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{str(path)!r} is not a regular file")
+        raise BadCheckpointError(f"{str(path)!r} is not a regular file")
     return FileStamp.of(st)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from kombu import Queue
 
+from chkq.errors import ConfigurationError
+
 CONTROL_QUEUE = "chkq.control"
 COPY_QUEUE = "chkq.copy"
 VERIFY_QUEUE = "chkq.verify"
@@ -60,6 +62,6 @@ def resolve_queues(spec: str | None) -> list[str]:
         name = SHORT_NAMES.get(part, part)
         if name not in QUEUES:
             known = ", ".join(sorted(SHORT_NAMES))
-            raise ValueError(f"unknown queue {part!r}: chkq's queues are {known}")
+            raise ConfigurationError(f"unknown queue {part!r}: chkq's queues are {known}")
         names.append(name)
     return names

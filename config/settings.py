@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from chkq.errors import ConfigurationError
+
 MiB = 1024 * 1024
 
 #: URL schemes of RabbitMQ brokers (kombu's py-amqp transport) and of Redis.
@@ -33,7 +35,7 @@ def _int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -150,22 +152,23 @@ class Settings:
     def check(self) -> None:
         """Refuse settings that would make tasks run twice at once or loop."""
         if self.block_bytes < 1:
-            raise ValueError("CHKQ_BLOCK_BYTES must be positive")
+            raise ConfigurationError("CHKQ_BLOCK_BYTES must be positive")
         if self.task_bytes < 1 or self.task_files < 1:
-            raise ValueError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
+            raise ConfigurationError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
         if not 0 < self.soft_time_limit <= self.time_limit:
-            raise ValueError("CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
+            raise ConfigurationError(
+                "CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
         if self.restore_interval < 0:
-            raise ValueError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
+            raise ConfigurationError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
         if self.visibility_timeout <= self.time_limit:
-            raise ValueError(
+            raise ConfigurationError(
                 "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
                 "running would be delivered again and run twice at once"
             )
         self.check_broker()
         security = (self.security_key, self.security_certificate, self.security_cert_store)
         if any(security) and not all(security):
-            raise ValueError(
+            raise ConfigurationError(
                 "message signing needs all of CHKQ_SECURITY_KEY, CHKQ_SECURITY_CERTIFICATE "
                 "and CHKQ_SECURITY_CERT_STORE (or none of them)"
             )

@@ -28,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chkq.errors import ConfigurationError
+
 if TYPE_CHECKING:  # the module is imported for --help, which must not load Celery
     from chkq.tasks.protocol import JobStatus, UnitState
 
@@ -122,7 +124,10 @@ def format_recent(statuses: list[JobStatus]) -> str:
     """One line per job, newest first."""
     if not statuses:
         return "no recent jobs"
-    lines = [f"{'JOB':<32}  {'STATE':<8} {'PHASE':<10} {'SUBMITTED':<19}  MODEL / DETAIL"]
+    state_width = max(len("STATE"), *(len(s.state) for s in statuses))
+    phase_width = max(len("PHASE"), *(len(s.phase) for s in statuses))
+    lines = [f"{'JOB':<32}  {'STATE':<{state_width}} {'PHASE':<{phase_width}} "
+             f"{'SUBMITTED':<19}  MODEL / DETAIL"]
     for s in statuses:
         copied, verified, total = s.rows
         if s.state == "SUCCESS":
@@ -136,8 +141,8 @@ def format_recent(statuses: list[JobStatus]) -> str:
         else:
             detail = ""
         where = f"{s.model} in {s.out_dir}" if s.model else ""
-        lines.append(f"{s.job:<32}  {s.state:<8} {s.phase:<10} {_when(s.submitted):<19}  "
-                     f"{where}" + (f": {detail}" if detail else ""))
+        lines.append(f"{s.job:<32}  {s.state:<{state_width}} {s.phase:<{phase_width}} "
+                     f"{_when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
     return "\n".join(lines)
 
 
@@ -160,7 +165,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import job_status, resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
+        raise ConfigurationError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
         if args.json:
@@ -359,7 +364,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
+        raise ConfigurationError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
                          "embedded cluster ends with its command)")
     print(cancel_job(resolve_job(args.job)))
     return 0
