@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.discovery import check_model_name
+from chkq.rundir import RunDir
 
 _JOB_ID = re.compile(r"[0-9a-f]{8,32}")
 
@@ -56,15 +57,25 @@ class JobFiles:
 
     def temporaries(self) -> list[Path]:
         """Every file of this job that exists now, output excepted."""
+        with RunDir.open(self.out_dir) as run:
+            return self._listed(run)
+
+    def _listed(self, run: RunDir) -> list[Path]:
         start = self.prefix + "."
-        return sorted(p for p in self.out_dir.iterdir() if p.name.startswith(start))
+        return sorted(self.out_dir / name for name in run.listdir() if name.startswith(start))
 
 
 def discard_job_files(job: JobFiles) -> list[Path]:
-    """Remove every temporary of ``job`` (never the output, never a checkpoint)."""
+    """Remove every temporary of ``job`` (never the output, never a checkpoint).
+
+    Names are listed and removed through the run directory's descriptor (no
+    link followed at any level): a link at a temporary's name is removed,
+    never its target.
+    """
     removed = []
-    for path in job.temporaries():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path)
+    with RunDir.open(job.out_dir) as run:
+        for path in job._listed(run):
+            with contextlib.suppress(FileNotFoundError):
+                run.unlink(path, missing_ok=False)
+                removed.append(path)
     return removed

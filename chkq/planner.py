@@ -25,8 +25,9 @@ from chkq.plan import (
     cut_verify_units,
     offsets_of,
 )
+from chkq.rundir import RunDir
 from chkq.skeleton import create_skeleton, dataset_mode
-from chkq.stamps import FileStamp, check_same, stamp_of
+from chkq.stamps import FileStamp, check_same, open_unchanged, stamp_of
 from chkq.structure import (
     FileScan,
     check_same_structure,
@@ -39,7 +40,7 @@ DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
 
 def describe_template(reference: Path, names: list[str],
-                      totals: dict[str, list[int]]) -> list[DatasetPlan]:
+                      totals: dict[str, list[int]], fd: int | None = None) -> list[DatasetPlan]:
     """Plan every extensible dataset from the template; refuse what cannot be copied exactly.
 
     Raises
@@ -48,7 +49,7 @@ def describe_template(reference: Path, names: list[str],
         Naming the dataset and what chkq does not support (references of
         the new, 1.12-style kind in rows: they cannot be re-pointed).
     """
-    fid = open_checkpoint_id(reference)
+    fid = open_checkpoint_id(reference, fd)
     datasets = []
     try:
         for name in names:
@@ -211,24 +212,36 @@ def run_files(checkpoints: list[Checkpoint]) -> list[Path]:
     return [path for checkpoint in checkpoints for path in checkpoint.files]
 
 
-def scan_files(paths: list[Path]) -> list[ScannedFile]:
-    """Stamp and scan each file; the stamp is checked again after the scan.
+def scan_files(paths: list[Path], out_dir: str | Path,
+               run: RunDir | None = None) -> list[ScannedFile]:
+    """Stamp and scan each file of the run in ``out_dir``; the stamp is checked after the scan.
 
-    A file that changed while it was scanned is refused, so the rows the
-    scan counted belong to the version every later open is checked against.
+    Each file is opened once through the run directory's descriptor
+    (``run``, else opened here), no link followed at any level; its stamp
+    is the opened descriptor's, and HDF5 reads that descriptor. A file that
+    changed while it was scanned is refused, so the rows the scan counted
+    belong to the version every later open is checked against.
 
     Raises
     ------
     ValueError
-        If a file is incomplete, unreadable, not HDF5, or a symbolic link.
+        If a file is incomplete, unreadable, not HDF5, or a symbolic link
+        (or reached through one).
     CheckpointChangedError
         If a file changed while it was scanned.
     """
+    if run is None:
+        with RunDir.open(out_dir) as opened:
+            return scan_files(paths, out_dir, opened)
     scanned = []
     for path in paths:
-        stamp = stamp_of(path)
-        scan = scan_file(path)
-        check_same(path, stamp, os.lstat(path), "changed while it was being planned")
+        fd = run.open_file(path)
+        try:
+            stamp = stamp_of(path, os.fstat(fd))
+            scan = scan_file(path, fd=fd)
+            check_same(path, stamp, os.fstat(fd), "changed while it was being planned")
+        finally:
+            os.close(fd)
         scanned.append(ScannedFile(scan, stamp))
     return scanned
 
@@ -286,24 +299,33 @@ def prepare(
         a symbolic link, or holds something chkq cannot copy exactly.
     """
     job = job_files(out_dir, model, job_id)
-    if run is None:
-        checkpoints = find_run(job.out_dir, model)
-        scanned = scan_files(run_files(checkpoints))
-    else:
-        checkpoints, scanned = run
-        if [s.scan.path for s in scanned] != run_files(checkpoints):
-            raise ValueError(f"the scans of job {job_id} do not match its checkpoint files")
-    scans = [s.scan for s in scanned]
-    check_same_structure(scans)
-    reference = checkpoints[-1].files[0]
-    names = scans[0].extensible
-    datasets = describe_template(reference, names, {n: offsets_of(n, scans) for n in names})
-    job.temp.unlink(missing_ok=True)
-    layout, inode = create_skeleton(
-        job.temp, reference,
-        rows={d.name: d.total for d in datasets},
-        raw={d.name for d in datasets if d.mode == "raw"},
-    )
+    with RunDir.open(job.out_dir) as rundir:
+        if run is None:
+            checkpoints = find_run(job.out_dir, model)
+            scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
+        else:
+            checkpoints, scanned = run
+            if [s.scan.path for s in scanned] != run_files(checkpoints):
+                raise ValueError(f"the scans of job {job_id} do not match its checkpoint files")
+        scans = [s.scan for s in scanned]
+        check_same_structure(scans)
+        reference = checkpoints[-1].files[0]
+        names = scans[0].extensible
+        reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
+        template = open_unchanged(rundir, reference, reference_stamp, job_id)
+        try:
+            datasets = describe_template(reference, names,
+                                         {n: offsets_of(n, scans) for n in names}, template)
+            rundir.unlink(job.temp)
+            layout, inode = create_skeleton(
+                job.temp, reference,
+                rows={d.name: d.total for d in datasets},
+                raw={d.name for d in datasets if d.mode == "raw"},
+                run=rundir, template=template,
+            )
+        finally:
+            os.close(template)
+        out_dir_id = rundir.identity()
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
         d.source_chunks = [_plain_offsets(scan, d) for scan in scans]
@@ -318,7 +340,7 @@ def prepare(
         out_dir=str(job.out_dir),
         cleanup=cleanup,
         block_bytes=block_bytes,
-        checkpoints=[[c.number, str(c.path), c.path.is_dir()] for c in checkpoints],
+        checkpoints=[[c.number, str(c.path), c.is_directory] for c in checkpoints],
         files=files,
         reference_file=str(reference),
         datasets=datasets,
@@ -326,4 +348,5 @@ def prepare(
         file_digests=[s.scan.digest for s in scanned],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
+        out_dir_id=out_dir_id,
     )

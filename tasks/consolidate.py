@@ -46,7 +46,7 @@ from chkq.errors import UnprovenJobError  # noqa: F401 (re-exported)
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
 from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
-from chkq.output_check import check_output
+from chkq.output_check import check_plan_output
 from chkq.plan import Plan
 from chkq.planner import (
     SCAN_FILES,
@@ -62,7 +62,6 @@ from chkq.planner import (
     scans_from_record,
     scans_to_record,
 )
-from chkq.stamps import check_unchanged
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
 from chkq.tasks.protocol import (
@@ -299,7 +298,7 @@ def scan(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     paths = _recorded_files(job, out_dir, model)
     units = scan_units(len(paths))
     first, stop = units[_checked_unit(unit, len(units), job, "scan")]
-    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop])))
+    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop], out_dir)))
     return {"files": stop - first}
 
 
@@ -368,12 +367,7 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
-    reference = next(i for i, f in enumerate(plan.files) if f[0] == plan.reference_file)
-    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
-    check_output(plan.job.temp, Path(plan.reference_file),
-                 rows={d.name: d.total for d in plan.datasets},
-                 raw_datasets={d.name for d in plan.datasets if d.mode == "raw"})
-    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+    check_plan_output(plan)
     protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
@@ -410,7 +404,7 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         raise
     warnings = remove_checkpoints(plan) if plan.cleanup else []
     result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
-              "bytes": output.stat().st_size, "warnings": warnings}
+              "bytes": os.lstat(output).st_size, "warnings": warnings}
     record_finished(job, result)
     discard_job_files(plan.job)
     protocol.forget_progress(job)
