@@ -74,12 +74,14 @@ def checkpoint_pattern(model: str) -> re.Pattern[str]:
     return re.compile(re.escape(model) + r"_chk(\d{5})(\.h5)?")
 
 
-def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
+def find_checkpoints(out_dir: str | Path, model: str,
+                     run: RunDir | None = None) -> list[Checkpoint]:
     """List ``model``'s checkpoints in ``out_dir``, in the order they are consolidated.
 
     Returns an empty list when there are none; the caller decides whether that
     is an error. A checkpoint directory with no ``.h5`` file in it is kept (with
-    no files) so that validation can name it.
+    no files) so that validation can name it. ``run``: ``out_dir`` already
+    opened (the job's planning reads the run through one descriptor).
     """
     directory = check_out_dir(out_dir)
     check_model_name(model)
@@ -87,8 +89,10 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
     # os.scandir: the entries' types come with the listing (no stat per entry: a run of
     # 20,000 files took 0.24 s with Path.iterdir and two stats an entry). Directories are
     # listed through descriptors opened without following a link at any level.
-    with RunDir.open(directory) as run:
+    if run is not None:
         return _listed(run, directory, pattern)
+    with RunDir.open(directory) as opened:
+        return _listed(opened, directory, pattern)
 
 
 def _listed(run: RunDir, directory: Path, pattern: re.Pattern[str]) -> list[Checkpoint]:

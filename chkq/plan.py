@@ -140,7 +140,7 @@ class Plan:
         opened) makes a run directory moved or replaced since planning
         refused, not entered.
         """
-        return RunDir.open(self.out_dir, identity=self.out_dir_id or None)
+        return RunDir.open(self.out_dir, identity=self.out_dir_id or None, exact=True)
 
     @property
     def total_rows(self) -> int:

@@ -104,8 +104,8 @@ class ScannedFile:
     stamp: FileStamp
 
 
-def find_run(directory: Path, model: str) -> list[Checkpoint]:
-    """The run's checkpoints, each holding at least one file.
+def find_run(directory: Path, model: str, run: RunDir | None = None) -> list[Checkpoint]:
+    """The run's checkpoints, each holding at least one file (``run``: the directory, open).
 
     Raises
     ------
@@ -114,7 +114,7 @@ def find_run(directory: Path, model: str) -> list[Checkpoint]:
     ValueError
         If a checkpoint directory holds no ``.h5`` file.
     """
-    checkpoints = find_checkpoints(directory, model)
+    checkpoints = find_checkpoints(directory, model, run)
     if not checkpoints:
         raise FileNotFoundError(
             f"no checkpoints of model {model!r} in {str(directory)!r} "
@@ -192,7 +192,7 @@ def checkpoints_from_record(record: Any) -> list[Checkpoint]:
 
 
 def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
-    """The job's file names in a checked directory, refusing an existing output.
+    """The job's file names in a checked directory (resolved), refusing an existing output.
 
     Raises
     ------
@@ -201,7 +201,7 @@ def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
     ValueError
         If the directory or the model name is bad.
     """
-    job = JobFiles(check_out_dir(out_dir), check_model_name(model), job_id)
+    job = JobFiles(Path(os.path.realpath(check_out_dir(out_dir))), check_model_name(model), job_id)
     if os.path.lexists(job.output):
         raise FileExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
     return job
@@ -217,7 +217,8 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     """Stamp and scan each file of the run in ``out_dir``; the stamp is checked after the scan.
 
     Each file is opened once through the run directory's descriptor
-    (``run``, else opened here), no link followed at any level; its stamp
+    (``run``, else ``out_dir``, resolved already, opened here), no link
+    followed at any level; its stamp
     is the opened descriptor's, and HDF5 reads that descriptor. A file that
     changed while it was scanned is refused, so the rows the scan counted
     belong to the version every later open is checked against.
@@ -231,7 +232,7 @@ def scan_files(paths: list[Path], out_dir: str | Path,
         If a file changed while it was scanned.
     """
     if run is None:
-        with RunDir.open(out_dir) as opened:
+        with RunDir.open(out_dir, exact=True) as opened:
             return scan_files(paths, out_dir, opened)
     scanned = []
     for path in paths:
@@ -299,9 +300,9 @@ def prepare(
         a symbolic link, or holds something chkq cannot copy exactly.
     """
     job = job_files(out_dir, model, job_id)
-    with RunDir.open(job.out_dir) as rundir:
+    with RunDir.open(job.out_dir, exact=True) as rundir:
         if run is None:
-            checkpoints = find_run(job.out_dir, model)
+            checkpoints = find_run(job.out_dir, model, rundir)
             scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
         else:
             checkpoints, scanned = run

@@ -118,7 +118,7 @@ class RunDir:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], roots: Sequence[str] = (),
-             identity: Sequence[int] | None = None) -> RunDir:
+             identity: Sequence[int] | None = None, exact: bool = False) -> RunDir:
         """Resolve ``path`` once, check it against ``roots``, open it without following links.
 
         Parameters
@@ -130,6 +130,10 @@ class RunDir:
         identity
             ``[device, inode]`` the directory must have (the one the job
             planned), or None.
+        exact
+            ``path`` was resolved already (a job's directory, resolved when
+            its message was checked): a symbolic link in it now means a
+            component was swapped since, and is refused rather than resolved.
 
         Raises
         ------
@@ -143,6 +147,10 @@ class RunDir:
             If it does not exist or is not a directory.
         """
         real = resolve_allowed(path, roots)
+        if exact and str(real) != os.path.abspath(path):
+            raise CheckpointChangedError(
+                f"run directory {os.fspath(path)!r} now resolves to {str(real)!r}: a component "
+                "of it was replaced by a symbolic link; chkq follows no link in a run directory")
         checked = os.stat(real)
         if not stat.S_ISDIR(checked.st_mode):
             raise NotADirectoryError(f"run directory {os.fspath(path)!r} is not a directory")
