@@ -110,7 +110,8 @@ def _copy_whole(run: RunDir, plan: Plan, datasets: list[DatasetPlan], out: h5py.
                 for lo in range(0, stop - start, step):
                     hi = min(stop - start, lo + step)
                     if tid.get_class() == h5t.REFERENCE:
-                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name)
+                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name,
+                                                             plan.file_path(file_index))
                     else:
                         with vlen.read_rows(src.id, lo, hi - lo, tid) as rows:
                             vlen.write_rows(dst.id, start + lo, rows, tid)
@@ -121,8 +122,11 @@ def _copy_whole(run: RunDir, plan: Plan, datasets: list[DatasetPlan], out: h5py.
     return moved
 
 
-def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str) -> np.ndarray:
+def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str,
+            shown: Path | None = None) -> np.ndarray:
     """The references in ``rows`` (of ``source``) re-pointed to the same-named objects of ``out``.
+
+    ``shown`` names ``source`` in messages (HDF5 knows it by its descriptor only).
 
     Raises
     ------
@@ -133,17 +137,18 @@ def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str) -> n
     result = np.empty(rows.shape, dtype=rows.dtype)
     flat, target = rows.reshape(-1), result.reshape(-1)
     for i, ref in enumerate(flat):
-        target[i] = _repoint_one(ref, source, out, name)
+        target[i] = _repoint_one(ref, source, out, name, shown)
     return result
 
 
-def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str) -> Any:
+def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str,
+                 shown: Path | None) -> Any:
     if not ref:
         return ref
     path = source[ref].name
     if not path or path not in out:
-        raise ValueError(f"a reference in dataset '/{name}' of {source.filename!r} points to "
-                         f"an object the output does not have ({path!r})")
+        raise ValueError(f"a reference in dataset '/{name}' of {str(shown or source.filename)!r} "
+                         f"points to an object the output does not have ({path!r})")
     if isinstance(ref, h5py.RegionReference):
         region = h5r.get_region(ref, source.id)
         return h5r.create(out.id, path.encode(), h5r.DATASET_REGION, region)

@@ -62,6 +62,7 @@ from chkq.planner import (
     scans_from_record,
     scans_to_record,
 )
+from chkq.rundir import RunDir
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
 from chkq.tasks.protocol import (
@@ -248,7 +249,8 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
     recorded = protocol.recorded_run(job, out_dir, model)
     if recorded is None:
         job_files(out_dir, model, job)
-        checkpoints = find_run(Path(out_dir), model)
+        with RunDir.open(out_dir, exact=True) as run:
+            checkpoints = find_run(Path(out_dir), model, run)
         if len(run_files(checkpoints)) <= SCAN_FILES:
             return None
         recorded = protocol.record_run(job, out_dir, model, checkpoints_to_record(checkpoints))
