@@ -322,11 +322,15 @@ def _copy_to_part(
     run.unlink(temp)
     ref_id, ref_fd = open_source(run, plan, plan.reference_index())
     os.close(ref_fd)
-    part_fd = run.open_file(temp, CREATE, 0o644)
     try:
-        part = h5py.File(fd_path(part_fd), "w")
-    finally:
-        os.close(part_fd)
+        part_fd = run.open_file(temp, CREATE, 0o644)
+        try:
+            part = h5py.File(fd_path(part_fd), "w")
+        finally:
+            os.close(part_fd)
+    except BaseException:
+        ref_id.close()
+        raise
     with h5py.File(ref_id) as ref, part:
         out = create_extensible(part, "data", ref[d.name], stop - start).id
         tid = out.get_type()

@@ -25,12 +25,11 @@ import h5py
 import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
 
-from chkq.copy_rows import open_output_fd
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
 from chkq.plan import Plan
 from chkq.rundir import READ
-from chkq.stamps import check_same, open_unchanged
+from chkq.stamps import check_descriptor, check_same, open_unchanged
 from chkq.structure import open_checkpoint_id
 
 MAX_LISTED = 5
@@ -96,14 +95,14 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
 
     Parameters
     ----------
-    opened
-        Descriptors of the output and the template, opened and checked by
-        the caller (:func:`check_plan_output`): HDF5 then reads those files,
-        and the paths only name them.
     rows
         The planned total rows of each extensible dataset (names without ``/``).
     raw_datasets
         Datasets whose allocation time may differ (chkq allocates them early).
+    opened
+        Descriptors of the output and the template, opened and checked by
+        the caller (:func:`check_plan_output`): HDF5 then reads those files,
+        and the paths only name them.
     """
     found: list[str] = []
     out_fd, ref_fd = opened or (None, None)
@@ -198,8 +197,9 @@ def check_plan_output(plan: Plan) -> None:
     reference = plan.reference_index()
     template = Path(plan.reference_file)
     with plan.open_run() as run:
-        out_fd = open_output_fd(run, plan, READ)
+        out_fd = run.open_file(plan.job.temp, READ)
         try:
+            check_descriptor(plan.job.temp, out_fd, plan.temp_inode)
             ref_fd = open_unchanged(run, template, plan.stamp(reference), plan.job_id)
             try:
                 check_output(plan.job.temp, template,
