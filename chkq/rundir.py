@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from chkq.access import resolve_allowed
-from chkq.errors import CheckpointChangedError
+from chkq.errors import CheckpointChangedError, SymlinkInRunError
 
 #: Open an existing file for reading; refuse a link at the name.
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -51,8 +51,8 @@ def fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
 
 
-def _not_followed(shown: str | Path, at: str, exc: OSError) -> CheckpointChangedError:
-    return CheckpointChangedError(
+def _not_followed(shown: str | Path, at: str, exc: OSError) -> SymlinkInRunError:
+    return SymlinkInRunError(
         f"{str(shown)!r} cannot be opened: {at!r} is a symbolic link or not a directory "
         f"({exc.strerror}); chkq follows no link in a run directory")
 
@@ -66,7 +66,7 @@ def open_directory(path: str | Path) -> int:
     ------
     ValueError
         If ``path`` is relative or has a ``.`` or ``..`` component.
-    CheckpointChangedError
+    SymlinkInRunError
         If a component is a symbolic link or not a directory.
     FileNotFoundError
         If a component does not exist.
@@ -139,16 +139,18 @@ class RunDir:
         ------
         PermissionError
             If the resolved directory is outside ``roots``.
+        SymlinkInRunError
+            If a component of the directory is a link now (``exact``) or
+            became one while it was opened.
         CheckpointChangedError
-            If a component of the resolved directory was replaced by a link
-            while it was opened, or the directory is not the one resolved
-            (or not ``identity``).
+            If the directory opened is not the one resolved (or not
+            ``identity``).
         FileNotFoundError, NotADirectoryError
             If it does not exist or is not a directory.
         """
         real = resolve_allowed(path, roots)
         if exact and str(real) != os.path.abspath(path):
-            raise CheckpointChangedError(
+            raise SymlinkInRunError(
                 f"run directory {os.fspath(path)!r} now resolves to {str(real)!r}: a component "
                 "of it was replaced by a symbolic link; chkq follows no link in a run directory")
         checked = os.stat(real)
@@ -256,7 +258,7 @@ class RunDir:
 
         Raises
         ------
-        CheckpointChangedError
+        SymlinkInRunError
             If any component of ``path`` is a symbolic link (or a directory
             component is not a directory).
         FileNotFoundError, FileExistsError
