@@ -41,6 +41,7 @@ from chkq.log import (
     checkpoint_id,
     model_of_name,
 )
+from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 
 __all__ = [
     "FileChangedError",
@@ -55,9 +56,9 @@ __all__ = [
     "write_output",
 ]
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = DIRECTORY
+_TEMP_FLAGS = CREATE
+_READ_FLAGS = READ_NONBLOCK
 
 
 def read_stable(path: str | Path) -> bytes:

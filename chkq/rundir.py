@@ -36,6 +36,8 @@ from chkq.errors import CheckpointChangedError, SymlinkInRunError
 
 #: Open an existing file for reading; refuse a link at the name.
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Open an existing file for reading without waiting on a FIFO or device planted at the name.
+READ_NONBLOCK = READ | os.O_NONBLOCK
 #: Open an existing file for writing (no truncation); refuse a link at the name.
 WRITE = os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Open a directory; refuse a link or anything but a directory at the name.

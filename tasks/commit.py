@@ -33,6 +33,7 @@ from chkq.commits import (
 )
 from chkq.config.celery_app import get_app, get_settings
 from chkq.log import CheckpointLog
+from chkq.rundir import READ_NONBLOCK
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
 from chkq.tasks.base import ChkqTask, Timer
@@ -118,7 +119,7 @@ def read_checkpoint(path: Path) -> bytes:
         If the file changed during the read (retried by the task).
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, READ_NONBLOCK)
     except FileNotFoundError:
         raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
     except OSError as exc:
