@@ -181,6 +181,19 @@ def test_hdf5_reads_the_opened_file_after_its_directory_is_swapped(scene: Scene)
     assert_victim_safe(scene)
 
 
+def test_paths_that_leave_the_run_directory_are_refused(scene: Scene) -> None:
+    """A path read from a record is re-checked where it is opened: it must name a file below
+    the run directory, with no ``..``, ``.`` or empty component."""
+    victim_file = scene.victim_top / "r" / f"{MODEL}_chk00001" / "thread_0000.h5"
+    with RunDir.open(scene.run) as run:
+        climbing = os.path.relpath(victim_file, scene.run)
+        for bad in (victim_file, scene.run / climbing, climbing, f"{MODEL}_chk00001/../../x.h5",
+                    f"{MODEL}_chk00001//thread_0000.h5", "./x.h5", ""):
+            with pytest.raises(ValueError, match="run directory"):
+                run.open_file(bad)
+    assert_victim_safe(scene)
+
+
 # ------------------------------------------------------------------ inside one process
 
 
