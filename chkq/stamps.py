@@ -67,15 +67,6 @@ def _disappeared(path: str | Path, job: str) -> CheckpointChangedError:
         f"checkpoint file {str(path)!r} disappeared while job {job} was running")
 
 
-def check_unchanged(run: RunDir, path: str | Path, expected: FileStamp, job: str) -> None:
-    """Raise CheckpointChangedError unless ``path`` (no link followed) still has ``expected``."""
-    try:
-        st = run.lstat(path)
-    except FileNotFoundError:
-        raise _disappeared(path, job) from None
-    check_same(path, expected, st, f"changed while job {job} was running")
-
-
 def open_unchanged(run: RunDir, path: str | Path, expected: FileStamp, job: str) -> int:
     """Open ``path`` read-only through ``run``, no link followed, if it is still ``expected``.
 
