@@ -10,8 +10,11 @@ name, even when two files have the same bytes.
 Files written here (restore, pull) never follow a symbolic link planted in
 the output directory: directories are walked one name at a time with
 ``O_NOFOLLOW``, data goes to a randomly named temporary created with
-``O_CREAT|O_EXCL|O_NOFOLLOW``, and is then linked (restore: never replacing)
-or renamed (pull) into place, which acts on the name itself.
+``O_CREAT|O_EXCL|O_NOFOLLOW``, and is then linked into place (never
+replacing a file; ``pull --force`` renames over it), which acts on the name
+itself.  They are never more readable than the files committed: a restored
+file gets the permission bits its name entry kept (``0600`` for entries
+that kept none), without setuid, setgid or sticky bits.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from chkq.log import (
     NameEntry,
     check_relative_name,
     checkpoint_id,
+    format_created,
     model_of_name,
 )
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
@@ -49,6 +53,7 @@ __all__ = [
     "RestoreResult",
     "check_relative_name",
     "commit_bytes",
+    "pull_mode",
     "read_stable",
     "resolve_id",
     "restore_run",
@@ -61,26 +66,43 @@ _TEMP_FLAGS = CREATE
 _READ_FLAGS = READ_NONBLOCK
 
 
-def read_stable(path: str | Path) -> bytes:
-    """Read a whole file, refusing one that changes while it is read.
+def read_stable(path: str | Path) -> tuple[bytes, int]:
+    """Read the regular file at ``path``, refusing one that changes while it is read.
 
-    Size and modification time are compared before and after the read; a
-    simulation still writing the file makes them differ.
+    Returns the bytes and the opened file's ``st_mode`` (its permission bits
+    are kept in the name entry, for restore).
+
+    The file is opened with O_NOFOLLOW|O_NONBLOCK and checked with fstat, so
+    a link swapped in after a check is not followed and a FIFO or device can
+    neither block the reader nor be read. Size and mtime are compared before
+    and after the read, as a simulation still writing the file changes them.
 
     Raises
     ------
+    FileNotFoundError
+        If there is no regular file at ``path``.
     FileChangedError
         If the file changed during the read.
     """
-    before = os.stat(path)
-    with open(path, "rb") as fh:
+    try:
+        fd = os.open(path, READ_NONBLOCK)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise FileNotFoundError(
+            f"checkpoint file {str(path)!r} cannot be opened as a regular file: "
+            f"{exc.strerror}") from None
+    before = os.fstat(fd)
+    if not stat.S_ISREG(before.st_mode):
+        os.close(fd)
+        raise FileNotFoundError(f"checkpoint file {str(path)!r} is not a regular file")
+    with open(fd, "rb", closefd=True) as fh:
         data = fh.read()
-    after = os.stat(path)
-    if (before.st_size, before.st_mtime_ns, before.st_ino) != (
-        after.st_size, after.st_mtime_ns, after.st_ino
-    ) or len(data) != after.st_size:
+        after = os.fstat(fh.fileno())
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) \
+            or len(data) != after.st_size:
         raise FileChangedError(f"checkpoint file {str(path)!r} changed while it was read")
-    return data
+    return data, before.st_mode
 
 
 def resolve_id(log: CheckpointLog, ref: str) -> str:
@@ -125,6 +147,7 @@ def commit_bytes(
     name: str | None = None,
     model: str | None = None,
     writer: str | None = None,
+    mode: int | None = None,
 ) -> CheckpointRecord:
     """Commit ``data``; return its record.
 
@@ -132,7 +155,8 @@ def commit_bytes(
     commit task sends them, as ``meta["name"]`` / ``meta["model"]``; either
     way they go into the file's :class:`~chkq.log.NameEntry`, not into the
     record (which describes content and is shared by every name of it).
-    Without a model, the one a slug-style name says is kept.
+    Without a model, the one a slug-style name says is kept. ``mode`` is the
+    file's ``st_mode`` (its permission bits are kept for restore).
 
     Raises
     ------
@@ -159,7 +183,7 @@ def commit_bytes(
         raise ParentNotCommittedError(
             f"parent {parent} is not a checkpoint of run {log.run_id!r} (yet)")
     checkpoint = log.commit(data, parent, step=step, label=label, meta=extra or None,
-                            name=name, model=model, writer=writer)
+                            name=name, model=model, writer=writer, mode=mode)
     return log.record(checkpoint)
 
 
@@ -195,18 +219,22 @@ def _directory(root_fd: int, parts: list[str], root: Path) -> Iterator[int]:
         os.close(fd)
 
 
-def _write_temp(dir_fd: int, data: bytes) -> str:
-    """A new, randomly named, fsynced file in ``dir_fd`` holding ``data``; its name."""
+def _write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
+    """A new, randomly named, fsynced file in ``dir_fd`` holding ``data``; its name.
+
+    Created 0600 and given ``mode & 0o777`` before any byte is written.
+    """
     for _ in range(16):
         temp = f".chkq-{secrets.token_hex(12)}.tmp"
         try:
-            fd = os.open(temp, _TEMP_FLAGS, 0o644, dir_fd=dir_fd)
+            fd = os.open(temp, _TEMP_FLAGS, 0o600, dir_fd=dir_fd)
         except FileExistsError:
             continue
         break
     else:
         raise FileExistsError("could not create a temporary file")
     try:
+        os.fchmod(fd, mode & 0o777)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
@@ -239,27 +267,65 @@ def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
     return digest.hexdigest()
 
 
-def write_output(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically, replacing a file there (``chkq log pull -o``).
+def write_output(path: str | Path, data: bytes, *, mode: int = 0o600,
+                 force: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically (``chkq log pull -o``); return the path.
 
     The bytes go to a random ``O_EXCL|O_NOFOLLOW`` temporary next to
-    ``path``, are fsynced and renamed over ``path``; a symbolic link at
-    ``path`` is replaced, not written through.
+    ``path`` with permission bits ``mode & 0o777``, are fsynced and linked
+    into place, never replacing a file: a file already there with the same
+    bytes is kept, one with other bytes (or a symbolic link) is refused.
+    With ``force`` the temporary is renamed over whatever is at ``path`` (a
+    link is replaced, not written through).
+
+    Raises
+    ------
+    FileExistsError
+        If ``path`` exists with other content, or is a link or not a regular
+        file, and ``force`` is not given; the message names it.
     """
     target = Path(path).absolute()
+    wanted = checkpoint_id(data)
     dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        temp = _write_temp(dir_fd, data)
+        if not force and _digest_at(dir_fd, target.name, str(target)) == wanted:
+            return target
+        temp = _write_temp(dir_fd, data, mode)
         try:
-            os.replace(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
+            if force:
+                os.replace(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            else:
+                try:
+                    os.link(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
+                            follow_symlinks=False)
+                except FileExistsError:
+                    if _digest_at(dir_fd, target.name, str(target)) == wanted:
+                        return target
+                    raise FileExistsError(
+                        f"{str(target)!r} exists with other content; not overwritten "
+                        "(--force replaces it)") from None
+        finally:
             with contextlib.suppress(OSError):
                 os.unlink(temp, dir_fd=dir_fd)
-            raise
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
     return target
+
+
+def pull_mode(log: CheckpointLog, checkpoint: str) -> int:
+    """Permission bits for a pulled copy of ``checkpoint``: those every name of it allows.
+
+    The intersection of the modes its name entries kept (``0600`` for an
+    entry that kept none, or a checkpoint without names).
+    """
+    mode = 0o777
+    named = False
+    for entry in log.entries():
+        if entry.id == checkpoint:
+            mode &= entry.file_mode
+            named = True
+    return mode if named else 0o600
 
 
 @dataclass
@@ -275,7 +341,8 @@ class RestoreResult:
     bytes_written
         Bytes of the files written.
     failed
-        ``(name, why)`` of files that could not be restored.
+        ``(name, why)`` of files that could not be restored, a name in
+        conflict (see :meth:`chkq.log.CheckpointLog.files`) included.
     malformed
         Store keys of records or entries that could not be read, with why.
     """
@@ -310,10 +377,12 @@ def restore_run(
 ) -> RestoreResult:
     """Write every file of the run back under its name in ``out_dir``.
 
-    Each name's latest entry is restored; with ``model``, only files of that
-    model (:meth:`chkq.log.NameEntry.model_matches`). A file that already
-    exists with the same bytes is kept; one with other bytes, or a symbolic
-    link, is an error for that file (nothing is overwritten, no link is
+    Each name's entry chosen by :meth:`chkq.log.CheckpointLog.files` is
+    restored (a name in conflict is not, and is reported in ``failed``); with
+    ``model``, only files of that model (:meth:`chkq.log.NameEntry.model_matches`).
+    A file gets the permission bits its entry kept (:attr:`NameEntry.file_mode`).
+    A file that already exists with the same bytes is kept; one with other
+    bytes, or a symbolic link, is an error for that file (nothing is overwritten, no link is
     followed). Files appear atomically. A file whose record or payload is
     damaged is reported in ``failed`` and the others are still restored.
 
@@ -325,7 +394,12 @@ def restore_run(
     records = log.manifest()
     files = log.files(model, records)
     result = RestoreResult(Path(out_dir).absolute(), malformed=dict(log.malformed))
-    if not files:
+    for name, found in sorted(log.conflicts.items()):
+        ids = ", ".join(f"{e.id[:12]} (created {format_created(e.created)})" for e in found)
+        result.failed.append((name, f"conflicting entries name different checkpoints: {ids}; "
+                              "not restored, since without trusted log keys any of them may "
+                              "have been planted (pull the one you mean with chkq log pull)"))
+    if not files and not result.failed:
         every = log.files(None, records)
         if model is not None and every:
             models = sorted({e.model or model_of_name(e.name) or "?" for e in every.values()})
@@ -339,7 +413,7 @@ def restore_run(
         for name, entry in files.items():
             try:
                 path = _restore_one(log, root_fd, result.out_dir, name, entry, result)
-            except (CheckpointCorruptionError, KeyError, FileExistsError) as exc:
+            except (CheckpointCorruptionError, KeyError, OSError) as exc:
                 why = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
                 result.failed.append((name, why))
                 continue
@@ -359,7 +433,7 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
             result.kept.append(target)
             return target
         data = log.load(entry.id)
-        temp = _write_temp(dir_fd, data)
+        temp = _write_temp(dir_fd, data, entry.file_mode)
         try:
             os.link(temp, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
                     follow_symlinks=False)

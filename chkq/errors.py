@@ -87,6 +87,10 @@ class DeltaError(ChkqError, ValueError):
     """A delta cannot be made (inputs too large) or decoded (corrupt or wrong base)."""
 
 
+class LogKeyError(ChkqError, ValueError):
+    """A log signing or trusted key file that cannot be used; the message names the file."""
+
+
 class InvalidKeyError(ChkqError, ValueError):
     """A store key is not a clean ``/``-separated relative name."""
 

@@ -7,13 +7,17 @@ so that two jobs never share one and cleanup removes only its own job's.
 
 from __future__ import annotations
 
-import contextlib
+import logging
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.discovery import check_model_name
 from chkq.rundir import RunDir
+
+log = logging.getLogger(__name__)
 
 _JOB_ID = re.compile(r"[0-9a-f]{8,32}")
 
@@ -66,16 +70,44 @@ class JobFiles:
 
 
 def discard_job_files(job: JobFiles) -> list[Path]:
-    """Remove every temporary of ``job`` (never the output, never a checkpoint).
+    """Remove every temporary of ``job`` (never the output, never a checkpoint); never raise.
 
-    Names are listed and removed through the run directory's descriptor (no
-    link followed at any level): a link at a temporary's name is removed,
-    never its target.
+    Only regular files go: a job creates its temporaries as files
+    (``O_EXCL|O_NOFOLLOW``), so an entry named like one that is a directory,
+    a link or anything else was planted, and is left as it is (logged), never
+    entered or followed. Entries are listed and removed through the run
+    directory's descriptor (:class:`chkq.rundir.RunDir`: opened with no link
+    followed at any level), by name, one at a time; one that cannot be
+    removed is logged and the others still go, so that a failing job's
+    cleanup never fails.
     """
-    removed = []
-    with RunDir.open(job.out_dir) as run:
-        for path in job._listed(run):
-            with contextlib.suppress(FileNotFoundError):
-                run.unlink(path, missing_ok=False)
-                removed.append(path)
+    removed: list[Path] = []
+    start = job.prefix + "."
+    try:
+        run = RunDir.open(job.out_dir)
+    except (OSError, ValueError) as exc:
+        log.warning("temporaries of job %s in %r were left: %s", job.job_id, str(job.out_dir),
+                    exc)
+        return removed
+    with run:
+        dir_fd = run.fd
+        for name in sorted(os.listdir(dir_fd)):
+            if not name.startswith(start):
+                continue
+            shown = str(job.out_dir / name)
+            try:
+                st = os.lstat(name, dir_fd=dir_fd)
+                if not stat.S_ISREG(st.st_mode):
+                    log.warning("%r was left: it is named like a temporary of job %s but is "
+                                "not a regular file, so the job did not make it", shown,
+                                job.job_id)
+                    continue
+                os.unlink(name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("temporary %r of job %s was left: %s", shown, job.job_id,
+                            exc.strerror)
+                continue
+            removed.append(job.out_dir / name)
     return removed

@@ -7,7 +7,11 @@ checkpoint 3 follows ``thread_0001.h5`` of checkpoint 2; single-file
 checkpoints follow each other); a chain is committed in order and stops at
 its first file that is not ready, so none is skipped. What the log already
 holds (by name) is not committed again, so a restarted watcher goes on
-where it stopped.
+where it stopped — but only when the file's own SHA-256 is the checkpoint
+the log's entry names: an entry planted in the store for a name the watcher
+has not committed yet never makes it skip the real file. A commit that cannot
+be made now (``enqueue`` raises :class:`CommitDeferred`) blocks its chain until
+the next look, which tries it again.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ import h5py
 
 from chkq.discovery import check_out_dir, find_checkpoints
 from chkq.structure import COMPLETE_ATTR
+
+
+class CommitDeferred(Exception):
+    """Raised by an ``enqueue`` callback: this file could not be committed now; try later."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,13 @@ class Watcher:
     committed
         Names already in the log, mapped to their checkpoint ids.
     enqueue
-        Called with each ready file, in chain order.
+        Called with each ready file, in chain order; raises
+        :class:`CommitDeferred` if the file could not be committed now.
+
+    Attributes
+    ----------
+    deferred
+        Names whose last attempt was deferred and that are not committed yet.
     """
 
     def __init__(self, out_dir: str | Path, model: str, committed: dict[str, str],
@@ -78,6 +92,8 @@ class Watcher:
         self.done: dict[str, str] = dict(committed)
         self.enqueue = enqueue
         self._seen: dict[Path, tuple[int, int]] = {}
+        self.deferred: set[str] = set()
+        self._held: dict[Path, tuple[int, int, int, str]] = {}
 
     def _stable(self, path: Path) -> bool:
         st = os.stat(path)
@@ -85,6 +101,16 @@ class Watcher:
         before = self._seen.get(path)
         self._seen[path] = now
         return before == now
+
+    def _holds(self, path: Path, checkpoint: str) -> bool:
+        """Whether the file at ``path`` has id ``checkpoint`` (hashed once per version)."""
+        st = os.stat(path)
+        version = (st.st_size, st.st_mtime_ns, st.st_ino)
+        known = self._held.get(path)
+        if known is None or known[:3] != version:
+            known = (*version, file_id(path))
+            self._held[path] = known
+        return known[3] == checkpoint
 
     def poll(self) -> list[CommitRequest]:
         """Look once; enqueue and return the files that became ready."""
@@ -95,17 +121,26 @@ class Watcher:
             for path in checkpoint.files:
                 key = chain_key(self.out_dir, path)
                 name = str(path.relative_to(self.out_dir))
-                if name in self.done:
+                if name in self.done and self._holds(path, self.done[name]):
                     tip[key] = self.done[name]
                     continue
+                self.done.pop(name, None)
                 if key in blocked:
                     continue
                 if not (is_complete(path) and self._stable(path)):
                     blocked.add(key)
                     continue
+                st = os.stat(path)
                 ident = file_id(path)
+                self._held[path] = (st.st_size, st.st_mtime_ns, st.st_ino, ident)
                 request = CommitRequest(path, name, checkpoint.number, tip.get(key), ident)
-                self.enqueue(request)
+                try:
+                    self.enqueue(request)
+                except CommitDeferred:
+                    self.deferred.add(name)
+                    blocked.add(key)
+                    continue
+                self.deferred.discard(name)
                 self.done[name] = ident
                 tip[key] = ident
                 sent.append(request)

@@ -1,4 +1,4 @@
-"""Signed task messages: broker write access alone runs nothing (SPEC, trust model).
+"""Signed task messages, and the key job records are sealed with: Redis access alone runs nothing.
 
 With ``CHKQ_SECURITY_KEY``, ``CHKQ_SECURITY_CERTIFICATE`` and
 ``CHKQ_SECURITY_CERT_STORE`` set, chkq uses Celery's message signing: every
@@ -17,6 +17,10 @@ signed arguments to another task; chkq's tasks are idempotent and check their
 arguments, the time limits are the worker's (:mod:`chkq.config.limits`), and
 the Redis password keeps such parties off the broker in the first place.
 
+chkq's own job records in the result backend are not Celery's to sign: they
+are sealed with an HMAC under :func:`record_key`, derived from the same
+private key (:mod:`chkq.tasks.protocol`).
+
 Celery's ``auth`` deserializer decodes the signed bytes with the content type
 named *beside* the signature, outside what is signed, and with ``force=True``
 (no accept list). The serializer of :mod:`chkq.config.auth_serializer` accepts JSON only there, so
@@ -30,6 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chkq.config.settings import Settings
+
+#: What the job-record key is derived for (HKDF's ``info``): a key for nothing else.
+RECORD_KEY_INFO = b"chkq job records v1"
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -107,3 +114,36 @@ def install_signing(app: Celery, settings: Settings) -> None:
     strict = StrictSecureSerializer(key, cert, store, DIGEST, serializer="json")
     registry.register("auth", strict.serialize, strict.deserialize,
                       content_type="application/data", content_encoding="utf-8")
+
+
+def record_key(settings: Settings) -> bytes | None:
+    """The key job records in Redis are authenticated with, or None when signing is off.
+
+    HKDF-SHA256 of the signing private key (``CHKQ_SECURITY_KEY``, its
+    PKCS#8 DER bytes), for :data:`RECORD_KEY_INFO` only: whoever holds the
+    signing key can derive it, the Redis password gives nothing of it, and
+    knowing it reveals nothing of the private key. Clients and workers hold
+    the same signing key, so both write records the other accepts.
+
+    Raises
+    ------
+    ValueError
+        If the key file cannot be read or is not a PEM private key.
+    """
+    if not settings.signing:
+        return None
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    assert settings.security_key
+    pem = _read(settings.security_key, "private key (CHKQ_SECURITY_KEY)")
+    try:
+        private = serialization.load_pem_private_key(pem.encode(), password=None)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"CHKQ_SECURITY_KEY {settings.security_key!r} is not a PEM "
+                         f"private key without a passphrase: {exc}") from None
+    material = private.private_bytes(serialization.Encoding.DER,
+                                     serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                info=RECORD_KEY_INFO).derive(material)

@@ -1,6 +1,6 @@
 """What every chkq task shares: a log line at start and end, progress, a redelivery cap.
 
-Progress goes two ways (NOTES.md): ``update_state(state="PROGRESS")`` for
+Progress goes two ways: ``update_state(state="PROGRESS")`` for
 the result backend, which the CLI reads, and a ``task-progress`` event,
 which Flower shows. Both are throttled.
 """

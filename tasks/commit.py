@@ -16,9 +16,7 @@ argument whose file it would remove after the commit.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -30,10 +28,10 @@ from chkq.commits import (
     ParentNotCommittedError,
     check_relative_name,
     commit_bytes,
+    read_stable,
 )
 from chkq.config.celery_app import get_app, get_settings
 from chkq.log import CheckpointLog
-from chkq.rundir import READ_NONBLOCK
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
 from chkq.tasks.base import ChkqTask, Timer
@@ -102,43 +100,6 @@ def checkpoint_source(path: Any) -> Path:
     return resolve_allowed(path, get_settings().allowed_roots)
 
 
-def read_checkpoint(path: Path) -> bytes:
-    """Read the regular file at ``path`` (already resolved), refusing one that changes.
-
-    The file is opened with O_NOFOLLOW|O_NONBLOCK and checked with fstat, so
-    a link swapped in after the check is not followed and a FIFO or device
-    can neither block the worker nor be read. Size, mtime and inode are
-    compared before and after the read, as a simulation still writing the
-    file changes them.
-
-    Raises
-    ------
-    FileNotFoundError
-        If there is no regular file at ``path``.
-    FileChangedError
-        If the file changed during the read (retried by the task).
-    """
-    try:
-        fd = os.open(path, READ_NONBLOCK)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
-    except OSError as exc:
-        raise FileNotFoundError(
-            f"checkpoint file {str(path)!r} cannot be opened as a regular file: "
-            f"{exc.strerror}") from None
-    before = os.fstat(fd)
-    if not stat.S_ISREG(before.st_mode):
-        os.close(fd)
-        raise FileNotFoundError(f"checkpoint file {str(path)!r} is not a regular file")
-    with open(fd, "rb", closefd=True) as fh:
-        data = fh.read()
-        after = os.fstat(fh.fileno())
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) \
-            or len(data) != after.st_size:
-        raise FileChangedError(f"checkpoint file {str(path)!r} changed while it was read")
-    return data
-
-
 @get_app().task(
     name="chkq.commit",
     bind=True,
@@ -197,9 +158,10 @@ def commit(
             if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
                 raise ParentNotCommittedError(
                     f"parent {parent} is not a checkpoint of run {run!r} (yet)")
-            data = read_checkpoint(source)
+            data, mode = read_stable(source)
             record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
-                                  label=label, meta=meta or None, expect_id=expect_id)
+                                  label=label, meta=meta or None, expect_id=expect_id,
+                                  mode=mode)
         except ParentNotCommittedError as exc:
             raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
                              max_retries=PARENT_RETRIES) from None

@@ -26,7 +26,6 @@ data, and stores the root cause under the job id.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -254,11 +253,20 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
         if len(run_files(checkpoints)) <= SCAN_FILES:
             return None
         recorded = protocol.record_run(job, out_dir, model, checkpoints_to_record(checkpoints))
-    checkpoints = checkpoints_from_record(recorded)
+    checkpoints = _checked_run(recorded, out_dir, model, job)
     paths = run_files(checkpoints)
     units = scan_units(len(paths))
     records = protocol.scanned(job, len(units))
     if records is not None:
+        now = find_run(Path(out_dir), model)
+        if now != checkpoints:
+            changed = next((str(a.path) for a, b in zip(now, checkpoints, strict=False)
+                            if a != b), str((now if len(now) > len(checkpoints)
+                                             else checkpoints)[-1].path))
+            raise ValueError(f"the checkpoints recorded for job {job} are not the run's as it "
+                             f"is now (first difference: {changed!r}): the run changed while it "
+                             "was scanned, or the record is not the job's own; nothing was "
+                             "written")
         return checkpoints, [s for record in records for s in scans_from_record(record)]
     if task.request.get("replaced_task_nesting", 0):
         raise UnprovenJobError(f"job {job} cannot be planned: its scan units finished "
@@ -286,10 +294,18 @@ def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
         if recorded is None:
             raise FileNotFoundError(
                 f"consolidation job {job} has no recorded checkpoints to scan")
-        cached = _RUN_FILES[job] = (out_dir, model, run_files(checkpoints_from_record(recorded)))
+        cached = _RUN_FILES[job] = (out_dir, model,
+                                    run_files(_checked_run(recorded, out_dir, model, job)))
         while len(_RUN_FILES) > RUN_FILES_CACHE:
             _RUN_FILES.popitem(last=False)
     return cached[2]
+
+
+def _checked_run(recorded: list[Any], out_dir: str, model: str, job: str) -> list[Checkpoint]:
+    """The checkpoints of a job's run record, each checked to be one of the run's by name."""
+    return protocol.check_recorded_checkpoints(
+        checkpoints_from_record(recorded), out_dir, model,
+        f"the run record of job {job} ({protocol.record_key_of(job, 'run')})")
 
 
 @get_app().task(name="chkq.scan", bind=True, base=ChkqTask)
@@ -431,6 +447,43 @@ def explained(cause: BaseException, job: str) -> BaseException:
     return cause
 
 
+def _trusted(read: Callable[[str], Any], job: str) -> Any:
+    """``read(job)``, a job record for the failure path: one that is not the job's own is None.
+
+    The failure path must always end by recording the failure, so a planted
+    record there is logged and treated as absent rather than raised.
+    """
+    try:
+        return read(job)
+    except protocol.ForgedRecordError as exc:
+        log.warning("job=%s %s", job, exc)
+        return None
+
+
+def _discard_quietly(out_dir: str, model: str, job: str) -> list[Path]:
+    """Remove the job's temporaries if its arguments can name them; never raise."""
+    try:
+        directory, model, job = _checked(out_dir, model, job)
+    except Exception as bad:  # noqa: BLE001 - bad arguments: nothing they name is touched
+        log.warning("job=%s failed; its temporaries were left: %s", job, bad)
+        return []
+    try:
+        return discard_job_files(JobFiles(directory, model, job))
+    except Exception:  # noqa: BLE001 - the failure is recorded whatever cleanup does
+        log.exception("job=%s failed; removing its temporaries failed too", job)
+        return []
+
+
+def _root_cause(exc: BaseException, task: str | None, job: str) -> tuple[str | None,
+                                                                          BaseException]:
+    """The failing task and its explained exception (``exc`` itself if looking it up fails)."""
+    try:
+        task, exc = failing_task(exc, task)
+    except Exception:  # noqa: BLE001 - a header's stored result may be unreadable
+        log.exception("job=%s: the failing task's result could not be read", job)
+    return task, explained(exc, job)
+
+
 @get_app().task(name="chkq.fail", base=ChkqTask)
 def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: str,
          job: str) -> None:
@@ -438,31 +491,29 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
 
     Checkpoints are never touched. The job's result (its id) is set to the
     failure unless the job already succeeded (a late, redelivered step).
-    The failure is recorded even when the message's own arguments are what
-    failed (a directory outside the allowed roots, say), so no client waits
-    for ever; the temporaries are then left alone, since the arguments
-    cannot be trusted to name them.
+    The failure is recorded whatever cleanup meets (a planted directory or
+    link named like a temporary, an unreadable directory, a failing look-up
+    of the cause): no client waits for ever. When the message's own
+    arguments are what failed (a directory outside the allowed roots, say),
+    the temporaries are left alone, since the arguments cannot be trusted
+    to name them. Done, failure and cancellation markers that are not the
+    job's own are ignored here, and the planted ones are deleted.
     """
     job = check_job_id(job)
-    task, cause = failing_task(exc, getattr(request, "id", None))
-    cause = explained(cause, job)
-    if finished_result(job) is not None or protocol.failure(job) is not None:
+    task, cause = _root_cause(exc, getattr(request, "id", None), job)
+    if _trusted(finished_result, job) is not None or _trusted(protocol.failure, job) is not None:
         log.warning("job=%s failure after the job ended ignored: %r", job, cause)
         return
-    if protocol.cancelled(job) is not None:
-        with contextlib.suppress(ValueError, OSError):
-            discard_job_files(JobFiles(*_checked(out_dir, model, job)))
+    if _trusted(protocol.cancelled, job) is not None:
+        _discard_quietly(out_dir, model, job)
         protocol.forget_progress(job)
         return
-    removed: list[Path] = []
+    removed = _discard_quietly(out_dir, model, job)
     try:
-        directory, model, job = _checked(out_dir, model, job)
-    except (ValueError, OSError) as bad:
-        log.warning("job=%s failed; its temporaries were left: %s", job, bad)
-    else:
-        removed = discard_job_files(JobFiles(directory, model, job))
-    protocol.record_failed(job, task, cause)
-    protocol.forget_progress(job)
-    log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job, model,
-                task, cause, len(removed))
-    get_app().backend.mark_as_failure(job, cause)
+        protocol.record_failed(job, task, cause)
+        protocol.forget_refused(job)
+        protocol.forget_progress(job)
+    finally:
+        log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job,
+                    model, task, cause, len(removed))
+        get_app().backend.mark_as_failure(job, cause)

@@ -2,7 +2,7 @@
 
 Everything a job's steps record lives here, in the result backend's Redis,
 where only workers (and clients, for submission) write — never in the run
-directory, whose owner is not trusted (SPEC "Trust model"):
+directory, whose owner is not trusted:
 
 ===============================  =============================================
 key                              what
@@ -11,9 +11,24 @@ key                              what
 ``chkq-job-JOB-copied``          hash: copy unit -> its result (digests)
 ``chkq-job-JOB-merged``          the output's stamp once merged and durable
 ``chkq-job-JOB-verified``        hash: verify unit -> output stamp it verified
+``chkq-job-JOB-run``             a large run's checkpoints, for its scan units
+``chkq-job-JOB-scanned``         hash: scan unit -> what it found in its files
 ``chkq-job-JOB-failed``          the failure, as data (step, type, message)
+``chkq-job-JOB``                 the submission (model, directory, time)
 ``chkq-job-done-JOB``            the result once the output was linked
+``chkq-job-cancelled-JOB``       who cancelled the job, and when
 ===============================  =============================================
+
+Every record is sealed (:func:`_seal`) and every read goes through one
+verifying reader (:func:`_unseal`). With message signing configured, the
+seal is an HMAC-SHA256, keyed by a key derived from the signing private key
+(:func:`chkq.config.security.record_key`), over the record's Redis key, its
+hash field (a unit number, or none) and its bytes: a record written by
+someone who has the Redis password but not the signing key, or moved to
+another key, job or unit, is refused with :class:`ForgedRecordError`
+naming the key. Without signing the seal is empty and Redis access alone
+writes job state. Paths read from records are checked again where they are
+used (:func:`check_recorded_path`), whoever wrote them.
 
 ``chkq.link`` publishes only when :func:`prove` finds nothing missing:
 the plan exists for this directory and model, every copy unit and the
@@ -26,6 +41,8 @@ publish an unverified file or delete a checkpoint.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -40,7 +57,11 @@ from celery import signature
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
+from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
+from chkq.config.security import record_key
+from chkq.discovery import Checkpoint, checkpoint_pattern
+from chkq.errors import ChkqError
 from chkq.naming import check_job_id
 from chkq.plan import Plan
 from chkq.stamps import FileStamp
@@ -113,19 +134,238 @@ def failing_task(exc: BaseException, task: str | None) -> tuple[str | None, Base
     return task, exc
 
 
+class ForgedRecordError(ChkqError, ValueError):
+    """A job record in Redis that this deployment's workers and clients did not write."""
+
+
 def _key(job: str, what: str) -> str:
     return f"chkq-job-{job}-{what}"
+
+
+def record_key_of(job: str, what: str) -> str:
+    """The Redis key of one of a job's step records (``run``, ``plan``...), for messages."""
+    return _key(job, what)
+
+
+def _info_key(job: str) -> str:
+    return f"chkq-job-{job}"
+
+
+def _done_key(job: str) -> str:
+    return f"chkq-job-done-{job}"
+
+
+def _cancelled_key(job: str) -> str:
+    return f"chkq-job-cancelled-{job}"
 
 
 def _client() -> Any:
     return get_app().backend.client
 
 
+# ------------------------------------------------------------ sealed records
+
+#: The first word of every record: the format, so that a value of another kind is refused.
+SEAL_FORMAT = b"chkq1"
+_UNSEALED = b"-"
+
+#: Record keys derived in this process, by signing key file: derived once (a PEM parse).
+_RECORD_KEYS: dict[str, bytes | None] = {}
+
+
+def _secret() -> bytes | None:
+    """This process's job-record key, or None when message signing is off."""
+    settings = get_settings()
+    if settings.security_key is None:
+        return None
+    if settings.security_key not in _RECORD_KEYS:
+        _RECORD_KEYS[settings.security_key] = record_key(settings)
+    return _RECORD_KEYS[settings.security_key]
+
+
+def records_authenticated() -> bool:
+    """True when job records are sealed with a key (message signing is configured)."""
+    return _secret() is not None
+
+
+def _code(secret: bytes, key: str, field: str, payload: bytes) -> bytes:
+    """The HMAC-SHA256 (hex) binding ``payload`` to its Redis key and hash field."""
+    message = b"\0".join((SEAL_FORMAT, key.encode(), field.encode(), payload))
+    return hmac.new(secret, message, hashlib.sha256).hexdigest().encode()
+
+
+def _seal(key: str, field: str, payload: str) -> bytes:
+    """``payload`` (JSON text) as stored under ``key`` (and hash field ``field``)."""
+    data = payload.encode()
+    secret = _secret()
+    code = _UNSEALED if secret is None else _code(secret, key, field, data)
+    return SEAL_FORMAT + b" " + code + b" " + data
+
+
+def _shown(key: str, field: str) -> str:
+    return f"{key}[{field}]" if field else key
+
+
+def _unseal(key: str, field: str, raw: bytes | str) -> str:
+    """The JSON text of a record read from ``key`` (``field``), once its seal is checked.
+
+    Raises
+    ------
+    ForgedRecordError
+        If the value is not a sealed record, or (signing on) its code does not
+        match: it was written without the key, or copied from another key,
+        job or unit.
+    """
+    data = raw if isinstance(raw, bytes) else raw.encode()
+    head, _, rest = data.partition(b" ")
+    code, space, payload = rest.partition(b" ")
+    where = _shown(key, field)
+    if head != SEAL_FORMAT or not space:
+        raise ForgedRecordError(f"job record {where} is not a record chkq wrote: refused")
+    secret = _secret()
+    if secret is not None and not hmac.compare_digest(code, _code(secret, key, field, payload)):
+        raise ForgedRecordError(
+            f"job record {where} does not carry this deployment's authentication code: it "
+            "was written by someone with access to Redis but without the signing key "
+            "(CHKQ_SECURITY_KEY), or moved from another key, and is refused as not the "
+            "job's own")
+    try:
+        return payload.decode()
+    except UnicodeDecodeError:
+        raise ForgedRecordError(f"job record {where} is not UTF-8 text: refused") from None
+
+
+def _parse(key: str, field: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        raise ForgedRecordError(f"job record {_shown(key, field)} is not valid JSON: "
+                                "refused") from None
+
+
+def _get(key: str) -> Any:
+    """The value recorded under ``key`` (checked), or None if there is none."""
+    raw = _client().get(key)
+    return None if raw is None else _parse(key, "", _unseal(key, "", raw))
+
+
+def _set(key: str, value: Any, *, nx: bool = False) -> bool:
+    """Record ``value`` (JSON-ready) under ``key``; with ``nx`` only if absent (then: if set)."""
+    return bool(_client().set(key, _seal(key, "", json.dumps(value)), nx=nx,
+                              ex=get_settings().result_expires))
+
+
+def _hset(job: str, what: str, unit: int, value: Any) -> None:
+    client = _client()
+    key = _key(job, what)
+    client.hset(key, str(unit), _seal(key, str(unit), json.dumps(value)))
+    client.expire(key, get_settings().result_expires)
+
+
+def _hgetall(job: str, what: str) -> dict[int, Any]:
+    """Every unit's record of a hash (each checked), by unit."""
+    key = _key(job, what)
+    records: dict[int, Any] = {}
+    for raw_field, raw in _client().hgetall(key).items():
+        name = raw_field.decode() if isinstance(raw_field, bytes) else str(raw_field)
+        if not name.isdigit() or name != str(int(name)):
+            raise ForgedRecordError(f"job record {_shown(key, name)} names no unit: refused")
+        records[int(name)] = _parse(key, name, _unseal(key, name, raw))
+    return records
+
+
+def check_recorded_path(path: Any, out_dir: str, model: str, what: str) -> Path:
+    """``path``, read from a job record, if it names a checkpoint file of ``model`` in ``out_dir``.
+
+    By discovery's rules: ``OUT_DIR/MODEL_chkNNNNN.h5`` or
+    ``OUT_DIR/MODEL_chkNNNNN/NAME.h5`` (``NAME`` not starting with a dot),
+    spelled exactly (absolute, no ``..``, ``.`` or doubled ``/``).
+    ``out_dir`` is a directory with its links resolved, checked against
+    ``CHKQ_ALLOWED_ROOTS`` by the caller (once, not per file: a path spelled
+    so lies lexically inside it, and discovery refuses checkpoints that are
+    links and no open follows one).
+
+    Raises
+    ------
+    ValueError
+        Naming the path and the record it came from (``what``).
+    """
+    text = path if isinstance(path, str) else ""
+    # Each component must match a checkpoint name, none of which is "", "." or "..".
+    parts = text[len(out_dir) + 1:].split("/") if text.startswith(out_dir + "/") else []
+    first = checkpoint_pattern(model).fullmatch(parts[0]) if parts else None
+    if "\x00" in text or first is None:
+        good = False
+    elif len(parts) == 1:
+        good = first.group(2) is not None
+    else:
+        good = (len(parts) == 2 and first.group(2) is None and parts[1].endswith(".h5")
+                and not parts[1].startswith("."))
+    if not good:
+        raise ValueError(f"{what} names {path!r}, which is not a checkpoint file of model "
+                         f"{model!r} in {out_dir!r}: refused")
+    return Path(text)
+
+
+def check_recorded_checkpoints(checkpoints: list[Checkpoint], out_dir: str, model: str,
+                               what: str) -> list[Checkpoint]:
+    """``checkpoints`` read from a job record, if each is one of ``model``'s in ``out_dir``.
+
+    Every file passes :func:`check_recorded_path`; a checkpoint is its file
+    (``MODEL_chkNNNNN.h5``) or the directory holding its files, and its
+    number is the one in its name. ``out_dir`` must resolve inside
+    ``CHKQ_ALLOWED_ROOTS`` (PermissionError if not).
+    """
+    check_allowed(out_dir, get_settings().allowed_roots)
+    pattern = checkpoint_pattern(model)
+    for checkpoint in checkpoints:
+        match = pattern.fullmatch(checkpoint.path.name)
+        files = [check_recorded_path(str(f), out_dir, model, what) for f in checkpoint.files]
+        whole = checkpoint.path if match and match.group(2) else None
+        good = (match is not None and int(match.group(1)) == checkpoint.number
+                and str(checkpoint.path.parent) == out_dir and bool(files)
+                and (files == [whole] if whole else all(f.parent == checkpoint.path
+                                                        for f in files)))
+        if not good:
+            raise ValueError(f"{what} holds checkpoint {checkpoint.number!r} at "
+                             f"{str(checkpoint.path)!r} with files {[str(f) for f in files]}, "
+                             f"which is not a checkpoint of model {model!r} in {out_dir!r}: "
+                             "refused")
+    return checkpoints
+
+
+def _check_plan_paths(plan: Plan, job: str) -> Plan:
+    """``plan`` if every path it names is one of its run's checkpoints (ValueError if not)."""
+    what = f"the plan of job {job} ({_key(job, 'plan')})"
+    if plan.job_id != job:
+        raise ValueError(f"{what} is the plan of job {plan.job_id!r}: refused")
+    if not isinstance(plan.out_dir, str) or os.path.realpath(plan.out_dir) != plan.out_dir:
+        raise ValueError(f"{what} names a run directory {plan.out_dir!r} that is not resolved: "
+                         "refused")
+    check_allowed(plan.out_dir, get_settings().allowed_roots)
+    try:
+        named = {str(check_recorded_path(f[0], plan.out_dir, plan.model, what))
+                 for f in plan.files}
+    except (TypeError, IndexError):
+        raise ValueError(f"{what} lists files malformed: refused") from None
+    if plan.reference_file not in named:
+        raise ValueError(f"{what} names a template {plan.reference_file!r} that is not one of "
+                         "its files: refused")
+    for entry in plan.checkpoints:
+        folder = entry[1] if isinstance(entry, list) and len(entry) == 3 else None
+        if not isinstance(folder, str) or os.path.normpath(folder) != folder or \
+                not (Path(folder).parent == Path(plan.out_dir)
+                     and checkpoint_pattern(plan.model).fullmatch(Path(folder).name)):
+            raise ValueError(f"{what} names checkpoint {entry!r}, which is not one of model "
+                             f"{plan.model!r} in {plan.out_dir!r}: refused")
+    return plan
+
+
 def store_plan(plan: Plan) -> Plan:
     """Record ``plan`` as its job's plan unless one is recorded; return the recorded one."""
-    client = _client()
-    if client.set(_key(plan.job_id, "plan"), plan.to_json(), nx=True,
-                  ex=get_settings().result_expires):
+    key = _key(plan.job_id, "plan")
+    if _client().set(key, _seal(key, "", plan.to_json()), nx=True,
+                     ex=get_settings().result_expires):
         return plan
     recorded = recorded_plan(plan.job_id)
     assert recorded is not None
@@ -139,7 +379,15 @@ PLAN_CACHE = 4
 
 
 def recorded_plan(job: str) -> Plan | None:
-    """The plan recorded for ``job``, or None (it is fetched only once per process)."""
+    """The plan recorded for ``job``, or None (it is fetched and checked once per process).
+
+    Raises
+    ------
+    ForgedRecordError
+        If the recorded plan is not the job's own.
+    ValueError
+        If it names a path that is not one of its run's checkpoints.
+    """
     key = _key(job, "plan")
     if job in _PLANS:
         if _client().exists(key):
@@ -150,8 +398,12 @@ def recorded_plan(job: str) -> Plan | None:
     raw = _client().get(key)
     if not raw:
         return None
-    plan = Plan.from_json(raw.decode() if isinstance(raw, bytes) else raw)
-    _PLANS[job] = plan
+    text = _unseal(key, "", raw)
+    try:
+        plan = Plan.from_json(text)
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise ForgedRecordError(f"job record {key} is not a plan: {exc}; refused") from None
+    _PLANS[job] = _check_plan_paths(plan, job)
     while len(_PLANS) > PLAN_CACHE:
         _PLANS.popitem(last=False)
     return plan
@@ -166,6 +418,8 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
         If the job has no plan (never planned, failed, cancelled or expired).
     ValueError
         If the message names another directory or model than the plan.
+    ForgedRecordError
+        If the recorded plan is not the job's own.
     """
     plan = recorded_plan(job)
     if plan is None:
@@ -192,8 +446,8 @@ def record_run(job: str, out_dir: str, model: str, checkpoints: list[Any]) -> li
 
     ``checkpoints`` is JSON-ready data (``chkq.planner.checkpoints_to_record``).
     """
-    record = json.dumps({"out_dir": out_dir, "model": model, "checkpoints": checkpoints})
-    _client().set(_key(job, "run"), record, nx=True, ex=get_settings().result_expires)
+    _set(_key(job, "run"), {"out_dir": out_dir, "model": model, "checkpoints": checkpoints},
+         nx=True)
     recorded = recorded_run(job, out_dir, model)
     assert recorded is not None
     return recorded
@@ -202,15 +456,22 @@ def record_run(job: str, out_dir: str, model: str, checkpoints: list[Any]) -> li
 def recorded_run(job: str, out_dir: str, model: str) -> list[Any] | None:
     """The checkpoints recorded for ``job``'s scan units (as recorded), or None.
 
+    The caller checks the paths where it uses them
+    (:func:`check_recorded_checkpoints`).
+
     Raises
     ------
     ValueError
         If the message names another directory or model than the record.
+    ForgedRecordError
+        If the record is not the job's own.
     """
-    raw = _client().get(_key(job, "run"))
-    if not raw:
+    key = _key(job, "run")
+    record = _get(key)
+    if record is None:
         return None
-    record = json.loads(raw)
+    if not isinstance(record, dict):
+        raise ForgedRecordError(f"job record {key} is not a list of checkpoints: refused")
     _check_target(job, (out_dir, model), (record.get("out_dir"), record.get("model")))
     checkpoints: list[Any] = record.get("checkpoints") or []
     return checkpoints
@@ -241,14 +502,13 @@ def copied(job: str) -> dict[int, Any]:
 
 def record_merged(plan: Plan) -> None:
     """Record that the output is merged and durable, with its stamp."""
-    _client().set(_key(plan.job_id, "merged"), json.dumps(output_stamp(plan)),
-                  ex=get_settings().result_expires)
+    _set(_key(plan.job_id, "merged"), output_stamp(plan))
 
 
 def merged(job: str) -> list[int] | None:
     """The output's stamp when it was merged, or None if it was not."""
-    raw = _client().get(_key(job, "merged"))
-    return json.loads(raw) if raw else None
+    stamp = _get(_key(job, "merged"))
+    return None if stamp is None else list(stamp)
 
 
 def record_verified(plan: Plan, unit: int, stamp: list[int]) -> None:
@@ -315,18 +575,27 @@ def prove(plan: Plan) -> Proof:
 def record_failed(job: str, task: str | None, exc: BaseException) -> None:
     """Record a job's failure as data: the failing task and step, exception type and message.
 
-    The first failure recorded stays (later ones are consequences of it).
+    The first failure recorded stays (later ones are consequences of it);
+    a failure record that is not the job's own is replaced.
     """
     step = STEPS[-1] if task == job else (task or "").removeprefix(f"{job}-").split("-")[0]
-    _client().set(_key(job, "failed"), json.dumps(
-        {"task": task, "step": step or "job", "type": type(exc).__name__, "message": str(exc)}),
-        nx=True, ex=get_settings().result_expires)
+    entry = {"task": task, "step": step or "job", "type": type(exc).__name__,
+             "message": str(exc)}
+    if _set(_key(job, "failed"), entry, nx=True):
+        return
+    try:
+        failure(job)
+    except ForgedRecordError:
+        _set(_key(job, "failed"), entry)
 
 
 def failure(job: str) -> dict[str, str] | None:
     """The recorded failure of ``job`` (task, step, type, message), or None."""
-    raw = _client().get(_key(job, "failed"))
-    return json.loads(raw) if raw else None
+    entry = _get(_key(job, "failed"))
+    if entry is not None and not (isinstance(entry, dict) and isinstance(entry.get("type"), str)
+                                  and isinstance(entry.get("step"), str)):
+        raise ForgedRecordError(f"job record {_key(job, 'failed')} is not a failure: refused")
+    return entry
 
 
 def forget_progress(job: str) -> None:
@@ -335,16 +604,20 @@ def forget_progress(job: str) -> None:
                                                         "verified")))
 
 
-def _hset(job: str, what: str, unit: int, value: Any) -> None:
-    client = _client()
-    key = _key(job, what)
-    client.hset(key, str(unit), json.dumps(value))
-    client.expire(key, get_settings().result_expires)
+def forget_refused(job: str) -> list[str]:
+    """Delete the job's done and cancelled markers that are not its own; return their keys.
 
-
-def _hgetall(job: str, what: str) -> dict[int, Any]:
-    raw = _client().hgetall(_key(job, what))
-    return {int(k): json.loads(v) for k, v in raw.items()}
+    For the failure path, so that no client or status is left reading a
+    planted marker of a job that failed.
+    """
+    gone = []
+    for key, read in ((_done_key(job), finished_result), (_cancelled_key(job), cancelled)):
+        try:
+            read(job)
+        except ForgedRecordError:
+            _client().delete(key)
+            gone.append(key)
+    return gone
 
 
 # ------------------------------------------------------------ submitted, finished, cancelled
@@ -356,16 +629,18 @@ RECENT_LIMIT = 200
 def record_submitted(job: str, model: str, out_dir: str) -> None:
     """Remember a submitted job so that ``chkq status`` can list it."""
     client = _client()
-    entry = json.dumps({"job": job, "model": model, "out_dir": out_dir, "submitted": time.time()})
-    client.set(f"chkq-job-{job}", entry, ex=get_settings().result_expires)
+    _set(_info_key(job), {"job": job, "model": model, "out_dir": out_dir,
+                          "submitted": time.time()})
     client.lpush(RECENT_JOBS, job)
     client.ltrim(RECENT_JOBS, 0, RECENT_LIMIT - 1)
 
 
 def job_info(job: str) -> dict[str, Any] | None:
     """What was recorded when ``job`` was submitted, or None."""
-    raw = _client().get(f"chkq-job-{job}")
-    return json.loads(raw) if raw else None
+    info = _get(_info_key(job))
+    if info is not None and not isinstance(info, dict):
+        raise ForgedRecordError(f"job record {_info_key(job)} is not a submission: refused")
+    return info
 
 
 def recent_jobs(limit: int = 20) -> list[str]:
@@ -376,13 +651,21 @@ def recent_jobs(limit: int = 20) -> list[str]:
 
 def record_finished(job: str, result: dict[str, Any]) -> None:
     """Remember that ``job`` linked its output (kept as long as results are)."""
-    _client().set(f"chkq-job-done-{job}", json.dumps(result), ex=get_settings().result_expires)
+    _set(_done_key(job), result)
 
 
 def finished_result(job: str) -> dict[str, Any] | None:
-    """The result of ``job`` if it already finished, else None."""
-    raw = _client().get(f"chkq-job-done-{job}")
-    return json.loads(raw) if raw else None
+    """The result of ``job`` if it already finished, else None.
+
+    Raises
+    ------
+    ForgedRecordError
+        If the done marker is not the job's own: no one reports success from it.
+    """
+    done = _get(_done_key(job))
+    if done is not None and not (isinstance(done, dict) and isinstance(done.get("output"), str)):
+        raise ForgedRecordError(f"job record {_done_key(job)} is not a job's result: refused")
+    return done
 
 
 def record_cancelled(job: str, by: str = "chkq cancel") -> dict[str, Any]:
@@ -392,14 +675,17 @@ def record_cancelled(job: str, by: str = "chkq cancel") -> dict[str, Any]:
     and stop before touching anything.
     """
     entry = {"job": job, "cancelled": time.time(), "by": by}
-    _client().set(f"chkq-job-cancelled-{job}", json.dumps(entry), ex=get_settings().result_expires)
+    _set(_cancelled_key(job), entry)
     return entry
 
 
 def cancelled(job: str) -> dict[str, Any] | None:
     """What :func:`record_cancelled` recorded for ``job``, or None if it was not cancelled."""
-    raw = _client().get(f"chkq-job-cancelled-{job}")
-    return json.loads(raw) if raw else None
+    entry = _get(_cancelled_key(job))
+    if entry is not None and not isinstance(entry, dict):
+        raise ForgedRecordError(f"job record {_cancelled_key(job)} is not a cancellation: "
+                                "refused")
+    return entry
 
 
 def find_jobs(prefix: str, limit: int = 10) -> list[str]:
@@ -408,7 +694,7 @@ def find_jobs(prefix: str, limit: int = 10) -> list[str]:
     Lets people type a job id's first digits, as with git commits.
     """
     found: set[str] = set()
-    for key in _client().scan_iter(match=f"chkq-job-{prefix}*", count=1000):
+    for key in _client().scan_iter(match=_info_key(prefix) + "*", count=1000):
         name = key.decode() if isinstance(key, bytes) else key
         job = name.removeprefix("chkq-job-")
         if len(job) == 32 and all(c in "0123456789abcdef" for c in job):

@@ -342,6 +342,10 @@ def test_pull_never_writes_through_a_planted_temporary(
     assert capsys.readouterr().out == f"{target}\n"
     target.unlink()
     target.symlink_to(victim)
-    assert chkq_main(["log", "pull", store.url, "r1", checkpoint, "-o", str(target)]) == 0
+    assert chkq_main(["log", "pull", store.url, "r1", checkpoint, "-o", str(target)]) == 1
+    assert "is a symbolic link; not overwritten" in capsys.readouterr().err
+    assert victim.read_bytes() == b"precious" and target.is_symlink()
+    assert chkq_main(["log", "pull", store.url, "r1", checkpoint, "-o", str(target),
+                      "--force"]) == 0
     assert victim.read_bytes() == b"precious"
     assert not target.is_symlink() and target.read_bytes() == b"pulled bytes"

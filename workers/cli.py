@@ -39,8 +39,8 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
             "pull, restore, gc, verify"),
     "watch": ("chkq.workers.watch", "commit a running simulation's checkpoints as they "
               "complete"),
-    "flower": ("chkq.workers.flower", "start Flower, the web monitor (basic auth required "
-               "beyond loopback)"),
+    "flower": ("chkq.workers.flower", "start Flower, the web monitor (always behind basic "
+               "auth)"),
     "status": ("chkq.workers.status", "show a job's steps (done, running, failed and why), "
                "or recent jobs"),
     "cancel": ("chkq.workers.status", "cancel a job: revoke its tasks, remove its "
@@ -327,7 +327,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--cleanup", action="store_true",
                    help="delete the checkpoints once the output is verified and linked")
     p.add_argument("--workers", type=positive_int, default=None,
-                   help="embedded cluster size (default: CPU count; no broker configured)")
+                   help="embedded cluster size (default: the CPU count, at most 4; no broker "
+                   "configured)")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
     p.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="give up waiting after this long (exit 1; a cluster job goes on)")

@@ -38,12 +38,14 @@ from chkq.discovery import check_model_name, check_out_dir
 from chkq.errors import JobCancelledError, JobLostError  # noqa: F401 (re-exported)
 from chkq.naming import JobFiles, discard_job_files
 from chkq.tasks.protocol import (
+    ForgedRecordError,
     cancelled,
     consolidation_signature,
     finished_result,
     job_info,
     job_status,
     record_submitted,
+    records_authenticated,
     root_cause,
 )
 
@@ -140,8 +142,7 @@ class ConsolidationJob(AsyncResult):
         ``chkq status``, so the two never disagree on where a job stands.
         """
         if self.ready() and (self.successful() or finished_result(self.id) is not None):
-            done = self._finished()
-            rows = int(done.get("rows") or 0)
+            rows = int(self._finished().get("rows") or 0) if self._succeeded() else 0
             return Progress("done", rows, rows, rows)
         try:
             status = job_status(self.id)
@@ -241,15 +242,43 @@ class ConsolidationJob(AsyncResult):
             on_progress(self.progress)
         return False
 
+    def _succeeded(self) -> bool:
+        """True if the job linked its output, as its own records prove.
+
+        With signing configured, only the job's sealed done marker proves it:
+        Celery's results are unsigned, so a SUCCESS under the job id with no
+        such marker is refused, never reported.
+
+        Raises
+        ------
+        ForgedRecordError
+            If the done marker is not the job's own, or (signing on) the
+            backend says the job succeeded without one.
+        """
+        if finished_result(self.id) is not None:
+            return True
+        if not self.successful():
+            return False
+        if records_authenticated():
+            raise ForgedRecordError(
+                f"the result backend says job {self.id} succeeded, but the job recorded no "
+                "authenticated result (chkq-job-done-JOB): refused; someone with access to "
+                "Redis but not the signing key may have written it (chkq status "
+                f"{self.id})")
+        return True
+
     def _finished(self) -> dict[str, Any]:
         """The link step's result of a job that succeeded."""
         done = finished_result(self.id)
-        if done is None and self.successful() and isinstance(self.result, dict):
+        if done is None and not records_authenticated() and self.successful() \
+                and isinstance(self.result, dict):
             done = self.result
         return done or {}
 
     def summary(self) -> JobSummary:
         """The summary of a job that succeeded (KeyError if it has not)."""
+        if not self._succeeded():
+            raise KeyError(f"job {self.id} has not succeeded")
         done = self._finished()
         output = Path(done["output"])
         try:
@@ -264,7 +293,7 @@ class ConsolidationJob(AsyncResult):
                           warnings=[str(w) for w in done.get("warnings") or []])
 
     def _outcome(self) -> JobSummary:
-        if self.successful() or finished_result(self.id) is not None:
+        if self._succeeded():
             return self.summary()
         exc = self.result
         if isinstance(exc, ChordError):

@@ -1,23 +1,113 @@
-"""Enqueueing commits from Python: the API simulations written in Python call.
+"""Committing checkpoints from Python: the API simulations written in Python call.
 
 ``submit_commit`` sends a ``chkq.commit`` task naming the file (never its
-bytes) and returns its AsyncResult; ``commit_checkpoint`` waits for it,
-running an embedded cluster when no broker is configured. A commit only
-reads its file: nothing is staged, and nothing is deleted after the commit.
-Arguments are checked here for the caller's sake (a clear error at once);
-the worker checks them again, since it cannot trust the message.
+bytes) and returns its AsyncResult; ``commit_checkpoint`` waits for it when
+a broker is configured, and otherwise commits in this process
+(:func:`commit_in_process`), for every store: a commit needs no cluster, and
+starting one would cost seconds per commit. A commit only reads its file:
+nothing is staged, and nothing is deleted after the commit. Arguments are
+checked here for the caller's sake (a clear error at once); the worker
+checks them again, since it cannot trust the message.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from celery.result import AsyncResult
 
+from chkq.commits import commit_bytes, read_stable
 from chkq.config.celery_app import get_app, get_settings
-from chkq.log import CheckpointRecord, validate_run_id
+from chkq.log import CheckpointLog, CheckpointRecord, default_writer, validate_run_id
+from chkq.stores import open_store
+from chkq.stores.base import StoreTimeouts, overall_budget
 from chkq.stores.url import parse_store_url
+
+#: The logger store operations report their transient failures (and retries) on.
+STORE_RETRY_LOGGER = "chkq.stores.base"
+
+
+class _RetryNotices(logging.Handler):
+    """Pass each "transient error, retrying" record of the stores to a callback."""
+
+    def __init__(self, notice: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.notice = notice
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.notice(f"retrying: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def store_retries_reported(notice: Callable[[str], None]) -> Iterator[None]:
+    """Call ``notice`` with one line each time a store operation retries, inside the block.
+
+    Without it a commit to an unreachable store is silent until its budget is
+    spent.
+    """
+    logger = logging.getLogger(STORE_RETRY_LOGGER)
+    handler = _RetryNotices(notice)
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def commit_in_process(
+    store_url: str,
+    run: str,
+    path: str | Path,
+    *,
+    parent: str | None = None,
+    parent_head: bool = False,
+    step: int | None = None,
+    label: str | None = None,
+    name: str | None = None,
+    model: str | None = None,
+    expect_id: str | None = None,
+    writer: str | None = None,
+    budget: float | None = None,
+) -> CheckpointRecord:
+    """Commit the checkpoint file at ``path`` to ``run`` of ``store_url`` in this process.
+
+    What a ``chkq.commit`` task does, by the file's owner, for any store:
+    the store operations of the whole commit share one retry budget
+    (``budget``, default ``CHKQ_STORE_RETRY_SECONDS``), so an unreachable
+    store fails the commit within that budget plus one attempt's timeouts.
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``path`` is not a file.
+    TransientStoreError
+        If the store stayed unreachable for the whole budget.
+    FileChangedError
+        If the file changed while it was read, or is not ``expect_id``.
+    """
+    parse_store_url(store_url)
+    validate_run_id(run)
+    source = Path(path).absolute()
+    if not source.is_file():
+        raise FileNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+    seconds = StoreTimeouts.from_env().budget if budget is None else budget
+    with overall_budget(seconds):
+        log = CheckpointLog(open_store(store_url), run)
+        data, mode = read_stable(source)
+        return commit_bytes(
+            log, data, parent=parent, parent_head=parent_head, step=step,
+            label=label, name=name, model=model, expect_id=expect_id,
+            writer=writer or f"chkq@{default_writer()}", mode=mode,
+        )
 
 
 def submit_commit(
@@ -106,11 +196,11 @@ def commit_checkpoint(
     store_url: str, run: str, path: str | Path, *, workers: int | None = None,
     timeout: float | None = None, **options: Any,
 ) -> CheckpointRecord:
-    """Commit a checkpoint file through the cluster (or an embedded one) and wait."""
+    """Commit a checkpoint file through the cluster and wait, or (no broker) in this process.
+
+    ``workers`` is accepted for compatibility and unused: no cluster is
+    started for a commit.
+    """
     if get_settings().broker_url:
         return record_of(submit_commit(store_url, run, path, **options).get(timeout=timeout))
-    from chkq.workers.embedded import EmbeddedCluster
-
-    with EmbeddedCluster(workers or 1) as cluster:
-        result = submit_commit(store_url, run, path, **options)
-        return record_of(cluster.wait(result, timeout))
+    return commit_in_process(store_url, run, path, **options)

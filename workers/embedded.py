@@ -19,8 +19,16 @@ Nothing outlives the command, whatever ends it:
   (:mod:`chkq.workers.reaper`), which holds a lifeline to the command,
   then removes the job's temporaries and exits.
 
-The worker's log goes to an anonymous temporary file and the broker keeps
-no directory, so nothing is left on disk either.
+The worker's log goes to an anonymous temporary file and the broker's
+private directory (its socket) is removed when it stops, by the reaper
+after a SIGKILL, so nothing is left on disk either.
+
+The broker is its owner's only (:class:`~chkq.workers.broker.PrivateRedis`
+in Unix-socket mode: a 0700 directory, no TCP port, a random password); the
+worker gets its URL, password included, in its environment, never on its
+command line. Child processes are started with ``python -P``, so that a
+``chkq`` directory in the current directory is never imported in place of
+the installed package.
 """
 
 from __future__ import annotations
@@ -48,6 +56,30 @@ from chkq.workers.broker import PrivateRedis, die_with_parent
 #: Seconds an idle worker gets for a warm shutdown before its group is killed.
 STOP_GRACE_SECONDS = 10.0
 
+#: Most worker processes the embedded cluster starts unless asked for more.
+DEFAULT_WORKERS_CAP = 4
+
+
+def default_workers() -> int:
+    """Processes of an embedded cluster by default: the CPU count, at most 4.
+
+    The embedded cluster runs beside other work (a login node, a simulation
+    that wants its CPUs); a consolidation is mostly I/O, and four processes
+    keep a copy and a verify stream going on each side of a local disk.
+    ``--workers`` asks for more.
+    """
+    return max(1, min(DEFAULT_WORKERS_CAP, os.cpu_count() or 1))
+
+
+def python_command(module: str, *args: str) -> list[str]:
+    """``python -P -m MODULE ARGS``: a child that never imports from the current directory.
+
+    ``-m`` would put the current directory first on ``sys.path``; ``-P``
+    (Python 3.11) leaves it out, so a ``chkq`` folder there (the clone's
+    parent directory, say) cannot shadow the installed package.
+    """
+    return [sys.executable, "-P", "-m", module, *args]
+
 
 def worker_command(concurrency: int, queues: list[str], name: str,
                    loglevel: str = "INFO") -> list[str]:
@@ -56,11 +88,11 @@ def worker_command(concurrency: int, queues: list[str], name: str,
     ``chkq worker`` rather than ``celery worker``, so that the worker start-up
     of :mod:`chkq.workers.cli` (its log filter) applies to embedded workers too.
     """
-    return [
-        sys.executable, "-m", "chkq.workers.cli", "worker",
+    return python_command(
+        "chkq.workers.cli", "worker",
         "-c", str(concurrency), "-Q", ",".join(queues), "-n", name,
         "--loglevel", loglevel, "--without-gossip", "--without-mingle",
-    ]
+    )
 
 
 def drop_result_subscriptions() -> None:
@@ -83,11 +115,14 @@ def drop_result_subscriptions() -> None:
 
 
 class EmbeddedCluster:
-    """A private Redis and one worker with ``workers`` processes, for a ``with`` block."""
+    """A private Redis and one worker with ``workers`` processes, for a ``with`` block.
+
+    ``workers`` defaults to :func:`default_workers`.
+    """
 
     def __init__(self, workers: int | None = None) -> None:
-        self.workers = max(1, workers or os.cpu_count() or 1)
-        self.broker = PrivateRedis()
+        self.workers = max(1, workers or default_workers())
+        self.broker = PrivateRedis(unix_socket=True)
         self.log: IO[bytes] = tempfile.TemporaryFile(prefix="chkq-embedded-")  # noqa: SIM115
         self.process: subprocess.Popen[bytes] | None = None
         self.reaper: subprocess.Popen[bytes] | None = None
@@ -111,7 +146,8 @@ class EmbeddedCluster:
                 start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
             )
             self.reaper = subprocess.Popen(
-                [sys.executable, "-m", "chkq.workers.reaper", str(self.process.pid)],
+                python_command("chkq.workers.reaper", str(self.process.pid),
+                               str(self.broker.private_dir)),
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,
             )

@@ -2,15 +2,19 @@
 
 Every command but ``commit`` works on the store directly, in this process:
 no task, no cluster. ``commit`` runs in this process too when no broker is
-configured (``CHKQ_BROKER_URL`` unset) and the store is a local directory
-(or ``memory://``), and otherwise goes through a commit task (the embedded
-cluster for S3/GCS stores with no broker). On success a command prints its
-result and nothing else; on failure one ``error: ...`` line (exit 1).
+configured (``CHKQ_BROKER_URL`` unset), for every store, with one retry
+budget (``CHKQ_STORE_RETRY_SECONDS``) for all its store operations and a
+``retrying:`` line on stderr for each retry; with a broker it goes through a
+commit task. On success a command prints its result and nothing else; on
+failure one ``error: ...`` line (exit 1).
 
 Read-only commands (list, heads, lineage, pull, restore's reading, verify)
 never write to the store — a ``file://`` store is opened with
 ``must_exist`` so not even its directory is created — and a store or run
 that does not exist is an error, not an empty answer.
+
+Names and keys come from the store and run directories: every line printed
+from them has its control characters escaped (:func:`chkq.log.printable`).
 """
 
 from __future__ import annotations
@@ -23,28 +27,28 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from chkq.commits import (
-    commit_bytes,
-    read_stable,
+    pull_mode,
     resolve_id,
     restore_run,
     write_output,
 )
 from chkq.config.settings import Settings
+from chkq.errors import NothingToRestoreError
 from chkq.log import (
     DEFAULT_GC_AGE,
     CheckpointLog,
     CheckpointRecord,
     NameEntry,
     default_writer,
+    format_created,
     model_of_name,
+    printable,
 )
+from chkq.log.signing import generate_key_pair
 from chkq.stores import open_store
-
-IN_PROCESS_SCHEMES = ("file", "memory")
-"""Stores ``chkq log commit`` writes to in this process when no broker is configured."""
+from chkq.stores.base import StoreTimeouts, overall_budget
 
 
 class CommandError(Exception):
@@ -86,9 +90,13 @@ def _existing(args: argparse.Namespace, *, write: bool = False) -> CheckpointLog
     return log
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _warn_malformed(log: CheckpointLog) -> None:
     for key, why in sorted(log.malformed.items()):
-        print(f"warning: {key}: {why}", file=sys.stderr)
+        print(printable(f"warning: {key}: {why}"), file=sys.stderr)
 
 
 def _names_by_id(entries: list[NameEntry]) -> dict[str, list[str]]:
@@ -101,19 +109,14 @@ def _names_by_id(entries: list[NameEntry]) -> dict[str, list[str]]:
 
 
 def _line(record: CheckpointRecord, names: dict[str, list[str]] | None = None) -> str:
-    created = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
     fields = [
         record.id, f"step={'' if record.step is None else record.step}",
         f"label={record.label or ''}", f"kind={record.kind}", f"depth={record.depth}",
-        f"size={record.full_size}", f"stored={record.stored_size}", f"created={created}Z",
+        f"size={record.full_size}", f"stored={record.stored_size}",
+        f"created={format_created(record.created)}",
     ]
     fields.extend(f"name={name}" for name in (names or {}).get(record.id, []))
-    return " ".join(fields)
-
-
-def _commit_in_process(args: argparse.Namespace) -> bool:
-    scheme = urlsplit(args.store).scheme.lower()
-    return Settings.from_env().broker_url is None and scheme in IN_PROCESS_SCHEMES
+    return printable(" ".join(fields))
 
 
 @_clean_errors
@@ -123,16 +126,18 @@ def cmd_commit(args: argparse.Namespace) -> int:
     path = Path(args.file).absolute()
     name = args.name or path.name
     model = args.model or model_of_name(name)
-    if _commit_in_process(args):
-        log = _open(args, write=True)
-        parent = resolve_id(log, args.parent) if args.parent else None
+    if Settings.from_env().broker_url is None:
+        from chkq.workers.commits import commit_in_process, store_retries_reported
+
         if not path.is_file():
             raise CommandError(f"checkpoint file {str(path)!r} does not exist")
-        record = commit_bytes(
-            log, read_stable(path), parent=parent, parent_head=args.parent_head,
-            step=args.step, label=args.label, name=name, model=model,
-            writer=f"chkq log commit@{default_writer()}",
-        )
+        budget = StoreTimeouts.from_env().budget
+        with store_retries_reported(_say), overall_budget(budget):
+            parent = resolve_id(_open(args, write=True), args.parent) if args.parent else None
+            record = commit_in_process(
+                args.store, args.run, path, parent=parent, parent_head=args.parent_head,
+                step=args.step, label=args.label, name=name, model=model,
+                writer=f"chkq log commit@{default_writer()}", budget=budget)
         print(record.id)
         return 0
     from chkq.workers.commits import commit_checkpoint
@@ -179,26 +184,33 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 @_clean_errors
 def cmd_pull(args: argparse.Namespace) -> int:
     log = _existing(args)
-    data = log.load(resolve_id(log, args.id))
+    checkpoint = resolve_id(log, args.id)
+    data = log.load(checkpoint)
     if str(args.output) == "-":
         sys.stdout.buffer.write(data)
         return 0
-    print(write_output(args.output, data))
+    print(printable(str(write_output(args.output, data, mode=pull_mode(log, checkpoint),
+                                     force=args.force))))
     return 0
 
 
 @_clean_errors
 def cmd_restore(args: argparse.Namespace) -> int:
     log = _existing(args)
-    result = restore_run(log, args.out_dir, args.model,
-                         on_file=lambda path: print(path, flush=True))
+    try:
+        result = restore_run(log, args.out_dir, args.model,
+                             on_file=lambda path: print(printable(str(path)), flush=True))
+    except NothingToRestoreError:
+        _warn_malformed(log)
+        raise
     _warn_malformed(log)
     for name, why in result.failed:
-        print(f"warning: not restored: {name}: {why}", file=sys.stderr)
-    print(result.summary(), file=sys.stderr)
+        print(printable(f"warning: not restored: {name}: {why}"), file=sys.stderr)
+    print(printable(result.summary()), file=sys.stderr)
     if result.failed:
         name, why = result.failed[0]
-        raise CommandError(f"{len(result.failed)} file(s) not restored (first: {name}: {why})")
+        raise CommandError(printable(
+            f"{len(result.failed)} file(s) not restored (first: {name}: {why})"))
     return 0
 
 
@@ -207,7 +219,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     log = _existing(args, write=True)
     removed = log.gc(older_than=args.older_than)
     for key in removed:
-        print(key)
+        print(printable(key))
     print(f"removed {len(removed)} unreferenced payload(s)", file=sys.stderr)
     return 0
 
@@ -246,9 +258,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         for key, why in report.problems:
-            print(f"problem {key}: {why}")
+            print(printable(f"problem {key}: {why}"))
         for key in report.orphans:
-            print(f"orphan {key}")
+            print(printable(f"orphan {key}"))
         decoded = (f", {report.decoded} rebuilt ({report.decoded_bytes} bytes)"
                    if report.read_data else "")
         print(f"{'ok' if report.ok else 'FAILED'}: {report.records} checkpoint(s){decoded}, "
@@ -257,6 +269,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if not report.ok:
         raise CommandError(f"verify found {len(report.problems)} problem(s) in run "
                            f"{log.run_id!r} of {log.store.url}")
+    return 0
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    private, public, ident = generate_key_pair(args.directory, args.name)
+    print(f"{private}\n{public}")
+    print(f"key {ident}: set CHKQ_LOG_SIGNING_KEY={private} where checkpoints are committed, "
+          f"and give {public.name} to readers (CHKQ_LOG_TRUSTED_KEYS)", file=sys.stderr)
     return 0
 
 
@@ -290,7 +310,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("id")
     p = command("pull", "write a checkpoint's verified bytes to a file", cmd_pull)
     p.add_argument("id")
-    p.add_argument("-o", "--output", required=True, help="file to write ('-': stdout)")
+    p.add_argument("-o", "--output", required=True, help="file to write ('-': stdout); an "
+                   "existing file is kept if it has the same bytes and refused otherwise")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing file at --output whatever it holds")
     p = command("restore", "bring a run's files back under their names", cmd_restore)
     p.add_argument("out_dir", type=Path)
     p.add_argument("model", nargs="?", help="only this model's files")
@@ -302,3 +325,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-data", action="store_true",
                    help="also rebuild every checkpoint along its delta chain and check its id")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p = cmds.add_parser("keygen", help="make an Ed25519 key pair for signed log objects")
+    p.add_argument("directory", type=Path, help="where NAME.key (0600) and NAME.pub go")
+    p.add_argument("--name", default="chkq-log", help="file name stem (default chkq-log)")
+    p.set_defaults(func=_clean_errors(cmd_keygen))

@@ -8,7 +8,8 @@ of, over which it names each job (``OUT_DIR<TAB>MODEL<TAB>JOB``). When the
 pipe reaches its end without the word ``done`` — the command died, however —
 the reaper waits until the worker processes are gone (no task can still be
 writing), then removes those jobs' temporaries (never an output, never a
-checkpoint). It imports nothing of Celery or HDF5.
+checkpoint), and the private broker's directory (its socket) if named. It
+imports nothing of Celery or HDF5.
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def main(worker_pid: int) -> int:
+def remove_broker_dir(path: Path) -> None:
+    """Remove the dead broker's socket and its private directory (nothing else it may hold)."""
+    with contextlib.suppress(OSError):
+        (path / "redis.sock").unlink()
+    with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def main(worker_pid: int, broker_dir: Path | None = None) -> int:
     """Read the lifeline on stdin until it closes; reap unless told ``done``."""
     jobs: list[JobFiles] = []
     finished = False
@@ -50,7 +59,11 @@ def main(worker_pid: int) -> int:
         with contextlib.suppress(ValueError):
             out_dir, model, job = line.split("\t")
             jobs.append(JobFiles(Path(out_dir), model, job))
-    if finished or not jobs:
+    if finished:
+        return 0
+    if broker_dir is not None:
+        remove_broker_dir(broker_dir)
+    if not jobs:
         return 0
     deadline = time.monotonic() + WORKERS_GONE_SECONDS
     while not _gone(worker_pid) and time.monotonic() < deadline:
@@ -63,4 +76,4 @@ def main(worker_pid: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None))

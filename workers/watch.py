@@ -1,29 +1,34 @@
 """``chkq watch``: the sidecar that commits a running simulation's checkpoints.
 
-It polls the run's directory, enqueues a ``chkq.commit`` for each checkpoint
-file once it is complete (see :mod:`chkq.watcher`), and when the run has
-finished — the process ``--pid`` exited, the file ``--done-file`` appeared,
-or nothing new came for ``--idle`` seconds — waits for the commits and,
-with ``--consolidate``, enqueues the consolidation.
+It polls the run's directory and commits each checkpoint file once it is
+complete (see :mod:`chkq.watcher`). With a broker configured it enqueues a
+``chkq.commit`` per file; without one it commits in this process — no
+broker, no worker pool beside a simulation that wants its CPUs. A commit
+that fails for now (the store unreachable for its whole retry budget, the
+file changing under the read) is said on stderr and tried again at the next
+look. When the run has finished — the process ``--pid`` exited, the file
+``--done-file`` appeared, or nothing new came for ``--idle`` seconds — it
+waits for the commits and, with ``--consolidate``, consolidates: on the
+cluster, or on an embedded cluster started only then.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from celery.result import AsyncResult
 
+from chkq.commits import FileChangedError
 from chkq.config.celery_app import get_settings
 from chkq.discovery import check_model_name, check_out_dir
-from chkq.log import CheckpointLog
-from chkq.stores import open_store
-from chkq.watcher import CommitRequest, Watcher
+from chkq.log import CheckpointLog, default_writer
+from chkq.stores import TransientStoreError, open_store
+from chkq.watcher import CommitDeferred, CommitRequest, Watcher
 
 
 def pid_alive(pid: int) -> bool:
@@ -35,18 +40,6 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@contextlib.contextmanager
-def cluster_for(workers: int | None) -> Iterator[Any]:
-    """The configured cluster, or an embedded one for the length of the watch."""
-    if get_settings().broker_url:
-        yield None
-        return
-    from chkq.workers.embedded import EmbeddedCluster
-
-    with EmbeddedCluster(workers) as cluster:
-        yield cluster
 
 
 def committed_names(log: CheckpointLog, model: str) -> dict[str, str]:
@@ -67,16 +60,42 @@ def run_finished(args: argparse.Namespace, idle_since: float) -> bool:
     return args.idle is not None and time.monotonic() - idle_since >= args.idle
 
 
-def watch(args: argparse.Namespace) -> int:
-    from chkq.workers.client import submit_consolidation
-    from chkq.workers.commits import submit_commit
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
+
+def in_process_committer(args: argparse.Namespace, model: str
+                         ) -> Callable[[CommitRequest], None]:
+    """Commit each ready file in this process; defer (to the next look) what fails for now."""
+    from chkq.workers.commits import commit_in_process, store_retries_reported
+
+    writer = f"chkq watch@{default_writer()}"
+
+    def commit(request: CommitRequest) -> None:
+        try:
+            with store_retries_reported(warn):
+                commit_in_process(
+                    args.store, args.run, request.path, parent=request.parent,
+                    step=request.number, name=request.name, model=model,
+                    expect_id=request.checkpoint_id, writer=writer)
+        except (TransientStoreError, FileChangedError) as exc:
+            warn(f"{request.name} not committed yet ({exc}); trying again at the next look")
+            raise CommitDeferred(str(exc)) from exc
+        print(f"committed {request.name} {request.checkpoint_id}", flush=True)
+
+    return commit
+
+
+def watch(args: argparse.Namespace) -> int:
     out_dir = check_out_dir(args.out_dir)
     model = check_model_name(args.model)
     log = CheckpointLog(open_store(args.store), args.run)
+    on_cluster = bool(get_settings().broker_url)
     pending: list[tuple[CommitRequest, AsyncResult]] = []
 
     def enqueue(request: CommitRequest) -> None:
+        from chkq.workers.commits import submit_commit
+
         result = submit_commit(
             args.store, args.run, request.path, parent=request.parent, step=request.number,
             name=request.name, model=model, expect_id=request.checkpoint_id,
@@ -84,30 +103,45 @@ def watch(args: argparse.Namespace) -> int:
         pending.append((request, result))
         print(f"enqueued {request.name} {request.checkpoint_id}", flush=True)
 
-    with cluster_for(args.workers) as cluster:
-        watcher = Watcher(out_dir, model, committed_names(log, model), enqueue)
-        idle_since = time.monotonic()
-        while True:
-            if watcher.poll():
-                idle_since = time.monotonic()
-            if cluster is not None:
-                cluster.check_alive()
-            if run_finished(args, idle_since):
-                break
-            time.sleep(args.interval)
+    watcher = Watcher(out_dir, model, committed_names(log, model),
+                      enqueue if on_cluster else in_process_committer(args, model))
+    idle_since = time.monotonic()
+    while True:
+        if watcher.poll():
+            idle_since = time.monotonic()
+        if run_finished(args, idle_since):
+            break
         time.sleep(args.interval)
-        watcher.poll()
-        watcher.poll()
-        for request, result in pending:
-            (cluster.wait(result) if cluster is not None else result.get())
-            print(f"committed {request.name}", flush=True)
-        if args.consolidate:
-            job = submit_consolidation(model, out_dir, args.cleanup)
-            print(f"consolidation {job.id}", flush=True)
-            if cluster is not None or args.wait:
-                wait = cluster.check_alive if cluster is not None else None
-                print(job.wait_for_output(is_alive=wait), flush=True)
+    time.sleep(args.interval)
+    watcher.poll()
+    watcher.poll()
+    if watcher.deferred:
+        raise RuntimeError(
+            f"{len(watcher.deferred)} checkpoint file(s) not committed when the run ended "
+            f"(first: {sorted(watcher.deferred)[0]}): run chkq watch again to commit them")
+    for request, result in pending:
+        result.get()
+        print(f"committed {request.name}", flush=True)
+    if args.consolidate:
+        consolidate(args, model, out_dir, on_cluster)
     return 0
+
+
+def consolidate(args: argparse.Namespace, model: str, out_dir: Path, on_cluster: bool) -> None:
+    """Consolidate the finished run: on the cluster, or on an embedded one started now."""
+    from chkq.workers.client import run_consolidation, submit_consolidation
+
+    if on_cluster and not args.wait:
+        print(f"consolidation {submit_consolidation(model, out_dir, args.cleanup).id}",
+              flush=True)
+        return
+    summary = run_consolidation(
+        model, out_dir, args.cleanup, workers=args.workers,
+        on_submitted=lambda job: print(f"consolidation {job.id}", flush=True),
+        on_notice=warn)
+    for message in summary.warnings:
+        warn(message)
+    print(summary.output, flush=True)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -131,6 +165,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle", type=float,
                    help="the run has finished after this many seconds without a new file")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between looks")
-    p.add_argument("--workers", type=int, help="embedded cluster size (no broker configured)")
+    p.add_argument("--workers", type=int, help="with --consolidate and no broker: processes "
+                   "of the embedded cluster started to consolidate (default: CPUs, at most 4)")
     p.set_defaults(func=watch)
 

@@ -21,12 +21,14 @@ nested inside chkq's).
 from __future__ import annotations
 
 import builtins
+import contextlib
+import contextvars
 import logging
 import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -38,6 +40,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTimeouts",
     "TransientStoreError",
+    "overall_budget",
     "retry_transient",
     "validate_key",
     "validate_prefix",
@@ -190,6 +193,30 @@ def validate_prefix(prefix: str) -> str:
     return prefix
 
 
+#: Monotonic time after which no store operation starts a retry (see :func:`overall_budget`).
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "chkq_store_deadline", default=None)
+
+
+@contextlib.contextmanager
+def overall_budget(seconds: float) -> Iterator[None]:
+    """Make every store operation inside the block share one retry budget of ``seconds``.
+
+    Each operation otherwise has a budget of its own, and a command of many
+    operations against a store that keeps failing would wait for their sum.
+    Inside the block an operation retries only until the block's deadline;
+    past it, it makes its one attempt and fails on a transient error. A
+    block nested in another ends no later than the outer one.
+    """
+    deadline = time.monotonic() + seconds
+    outer = _DEADLINE.get()
+    token = _DEADLINE.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
 def retry_transient(
     operation: Callable[[], T],
     *,
@@ -223,7 +250,8 @@ def retry_transient(
         Maximum number of calls.
     budget
         Seconds after the first call within which a retry may start (None:
-        no time bound); the wait before a retry never runs past it.
+        no time bound); the wait before a retry never runs past it, nor past
+        the deadline of an enclosing :func:`overall_budget`.
     initial_delay, max_delay
         Backoff bounds in seconds; each wait is drawn with jitter from
         ``[delay / 2, delay]`` and ``delay`` doubles up to ``max_delay``.
@@ -237,6 +265,10 @@ def retry_transient(
     """
     delay = initial_delay
     start = time.monotonic()
+    deadline = _DEADLINE.get()
+    if deadline is not None:
+        remaining = max(0.0, deadline - start)
+        budget = remaining if budget is None else min(budget, remaining)
     for attempt in range(1, attempts + 1):
         try:
             return operation()
@@ -247,7 +279,7 @@ def retry_transient(
             wait = random.uniform(delay / 2, delay)
             out_of_time = budget is not None and elapsed + wait >= budget
             if attempt == attempts or out_of_time:
-                limit = f"retry budget {budget:g} s" if out_of_time else f"{attempts} attempts"
+                limit = f"retry budget {budget:.3g} s" if out_of_time else f"{attempts} attempts"
                 raise TransientStoreError(
                     f"{what}: no success after {attempt} attempt(s) in {elapsed:.1f} s "
                     f"({limit}): {_one_line(exc)}"
@@ -309,6 +341,26 @@ class CheckpointStore(ABC):
             If there is no such object; the exception's argument is the key.
         """
         return self._get(validate_key(key))
+
+    def get_at_most(self, key: str, limit: int) -> bytes:
+        """Return at most ``limit + 1`` bytes of the object under ``key``, from its start.
+
+        For store content whose size is known or bounded (a record, a
+        payload its record sizes): more than ``limit`` bytes back means the
+        object is too large, found without reading it whole. Local, S3 and
+        GCS stores read no more than that; the default reads the object.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, got {limit}")
+        return self._get_at_most(validate_key(key), limit)
+
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._get(key)[: limit + 1]
 
     def exists(self, key: str) -> bool:
         """Return whether an object is stored under ``key``."""

@@ -186,6 +186,22 @@ class GCSStore(CheckpointStore):
 
         return self._retry(attempt, f"get {key}")
 
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        blob = self._bucket.blob(self._prefix + key)
+
+        def attempt() -> bytes:
+            try:
+                return bytes(blob.download_as_bytes(start=0, end=limit, timeout=self._timeout,
+                                                    retry=None))
+            except api_exceptions.NotFound:
+                raise KeyError(key) from None
+            except api_exceptions.RequestRangeNotSatisfiable:
+                if self._stat(key) is None:
+                    raise KeyError(key) from None
+                return b""
+
+        return self._retry(attempt, f"get {key}")
+
     def _stat(self, key: str) -> Any:
         return self._retry(
             lambda: self._bucket.get_blob(self._prefix + key, timeout=self._timeout, retry=None),

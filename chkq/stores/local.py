@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import stat
@@ -23,6 +24,11 @@ from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
+
+log = logging.getLogger(__name__)
+
+MAX_KEY_DEPTH = 32
+"""Deepest key (in ``/``-separated components) a listing descends to."""
 
 TMP_DIR = ".chkq-tmp"
 """Top-level directory holding in-flight writes; never listed, never a valid key."""
@@ -265,6 +271,10 @@ class LocalDirectoryStore(CheckpointStore):
     # reading ---------------------------------------------------------------------
 
     def _get(self, key: str) -> bytes:
+        return self._read(key, -1)
+
+    def _read(self, key: str, size: int) -> bytes:
+        """The object's first ``size`` bytes (all for -1)."""
         with self._parent(key, create=False) as (parent, name):
             if parent is None:
                 raise KeyError(key)
@@ -280,7 +290,10 @@ class LocalDirectoryStore(CheckpointStore):
                 os.close(fd)
                 raise KeyError(key)
             with open(fd, "rb", closefd=True) as fh:
-                return fh.read()
+                return fh.read(size)
+
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._read(key, limit + 1)
 
     def _exists(self, key: str) -> bool:
         with self._parent(key, create=False) as (parent, name):
@@ -306,20 +319,28 @@ class LocalDirectoryStore(CheckpointStore):
         """Append the keys under directory ``fd`` (named ``rel``) that start with ``prefix``.
 
         Only plain files and plain directories are seen: links are skipped.
+        The walk keeps one descriptor per level and no Python recursion, and
+        goes no deeper than :data:`MAX_KEY_DEPTH` components: deeper
+        directories (which no key of chkq's uses, but anyone who can write to
+        the store can make) are skipped with a warning naming them.
         """
-        with os.scandir(fd) as entries:
-            found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False))
-                     for e in entries]
-        for name, is_dir, is_file in found:
-            key = rel + name
-            if is_file and key.startswith(prefix):
-                keys.append(key)
-            elif is_dir and not (rel == "" and name == TMP_DIR):
-                sub = key + "/"
-                if not (sub.startswith(prefix) or prefix.startswith(sub)):
+        levels: list[tuple[int, str, list[str]]] = [(fd, rel, self._scan(fd, rel, prefix, keys))]
+        try:
+            while levels:
+                parent, parent_rel, subdirs = levels[-1]
+                if not subdirs:
+                    levels.pop()
+                    if parent != fd:
+                        os.close(parent)
+                    continue
+                name = subdirs.pop()
+                sub = parent_rel + name + "/"
+                if sub.count("/") >= MAX_KEY_DEPTH:
+                    log.warning("store %s: %r is more than %d directories deep; not listed",
+                                self.url, sub, MAX_KEY_DEPTH)
                     continue
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                    child = os.open(name, _DIR_FLAGS, dir_fd=parent)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 except OSError as exc:
@@ -327,9 +348,34 @@ class LocalDirectoryStore(CheckpointStore):
                         continue
                     raise
                 try:
-                    self._walk(child, sub, prefix, keys)
-                finally:
+                    found = self._scan(child, sub, prefix, keys)
+                except BaseException:
                     os.close(child)
+                    raise
+                levels.append((child, sub, found))
+        finally:
+            for parent, _, _ in levels:
+                if parent != fd:
+                    os.close(parent)
+
+    @staticmethod
+    def _scan(fd: int, rel: str, prefix: str, keys: list[str]) -> list[str]:
+        """Append the files of directory ``fd`` matching ``prefix``; return the subdirectories
+        that may hold more."""
+        with os.scandir(fd) as entries:
+            found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False))
+                     for e in entries]
+        subdirs = []
+        for name, is_dir, is_file in found:
+            key = rel + name
+            if is_file and key.startswith(prefix):
+                keys.append(key)
+            elif is_dir and not (rel == "" and name == TMP_DIR):
+                sub = key + "/"
+                if sub.startswith(prefix) or prefix.startswith(sub):
+                    subdirs.append(name)
+        subdirs.reverse()
+        return subdirs
 
     def _delete(self, key: str) -> None:
         with self._parent(key, create=False) as (parent, name):

@@ -295,6 +295,24 @@ class S3Store(CheckpointStore):
 
         return self._retry(attempt, f"get {key}")
 
+    def _get_at_most(self, key: str, limit: int) -> bytes:
+        name = self._prefix + key
+
+        def attempt() -> bytes:
+            try:
+                answer = self._client.get_object(Bucket=self._bucket, Key=name)
+            except ClientError as exc:
+                if _is_not_found(exc):
+                    raise KeyError(key) from None
+                raise
+            body = answer["Body"]
+            try:
+                return bytes(body.read(limit + 1))
+            finally:
+                body.close()
+
+        return self._retry(attempt, f"get {key}")
+
     def _head(self, key: str) -> dict[str, Any] | None:
         def attempt() -> dict[str, Any] | None:
             try:

@@ -1,0 +1,59 @@
+"""The checkpoint log: a content-addressed, delta-compressed, write-once log on object stores.
+
+One run's checkpoints live under ``runs/<run>/`` in a store; each is
+identified by the SHA-256 of its bytes.  The package is cut by job:
+
+- :mod:`chkq.log.records`: the stored objects (records, name entries), their
+  format versions and the validation of everything read back;
+- :mod:`chkq.log.keys`: a run's key layout and the one parser of its keys;
+- :mod:`chkq.log.checkpoint_log`: :class:`CheckpointLog`, commit and load;
+- :mod:`chkq.log.gc`: garbage collection, with its argument that no
+  interleaving with commits deletes a recorded payload;
+- :mod:`chkq.log.verify`: the read-only check of a whole run;
+- :mod:`chkq.log.signing`: signed records and name entries (Ed25519) for
+  stores shared with others.
+
+Committing files and restoring runs (name handling, writing files without
+following links) is :mod:`chkq.commits`.
+"""
+
+from chkq.log.checkpoint_log import DEFAULT_CACHE_BYTES, DEFAULT_GC_AGE, CheckpointLog
+from chkq.log.records import (
+    LOG_FORMAT,
+    MAX_CHECKPOINT_ENV,
+    RECORD_FORMAT,
+    CheckpointRecord,
+    NameEntry,
+    check_relative_name,
+    checkpoint_id,
+    default_writer,
+    format_created,
+    max_checkpoint_bytes,
+    model_of_name,
+    printable,
+    validate_run_id,
+)
+from chkq.log.signing import LogTrust
+from chkq.log.verify import ProgressCallback, VerifyReport
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "DEFAULT_GC_AGE",
+    "LOG_FORMAT",
+    "MAX_CHECKPOINT_ENV",
+    "RECORD_FORMAT",
+    "CheckpointLog",
+    "CheckpointRecord",
+    "LogTrust",
+    "NameEntry",
+    "ProgressCallback",
+    "VerifyReport",
+    "check_relative_name",
+    "checkpoint_id",
+    "default_writer",
+    "format_created",
+    "max_checkpoint_bytes",
+    "model_of_name",
+    "printable",
+    "validate_run_id",
+]

@@ -1,0 +1,118 @@
+"""A run's key layout in its store, and the one parser of those keys.
+
+Layout of one run (``<id>`` is the SHA-256 of a checkpoint's bytes)::
+
+    runs/<run>/records/<id>.json               the record (small JSON)
+    runs/<run>/payloads/<id>.full.zst          a whole checkpoint (zstd frame)
+    runs/<run>/payloads/<id>.delta.<base>.zst  a zstd patch-from delta against <base>
+    runs/<run>/heads/<id>.zst                  full copy of a delta checkpoint that is a head
+    runs/<run>/names/<digest>.json             a name entry: file name -> checkpoint id
+    runs/<run>/trash/<payload file name>       a payload gc moved aside
+
+Every key is derived from content (ids, kinds, bases, entry digests), so
+racing writers of the same thing write the same key.  Keys read back from a
+listing are store content: :meth:`RunKeys.parse` is the only place they are
+taken apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from chkq.log.records import is_id
+
+__all__ = ["GROUPS", "ParsedKey", "RunKeys"]
+
+GROUPS = ("records", "payloads", "heads", "names", "trash")
+"""The top-level folders of a run; anything else under it is an orphan."""
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    """A key of a run, taken apart.
+
+    Attributes
+    ----------
+    group
+        Its first component below the run (``records``, ``payloads``, ...).
+    name
+        The rest of the key after ``group/``.
+    checkpoint
+        The checkpoint id ``name`` starts with (up to the first dot), if it is one.
+    """
+
+    group: str
+    name: str
+    checkpoint: str | None
+
+    @property
+    def nested(self) -> bool:
+        """Whether the key lies in a subdirectory of its group (no key of a run does)."""
+        return "/" in self.name
+
+
+class RunKeys:
+    """The keys of one run: ``runs/<run_id>/...``."""
+
+    def __init__(self, run_id: str) -> None:
+        self.root = f"runs/{run_id}/"
+
+    def group(self, group: str) -> str:
+        """Prefix of one of :data:`GROUPS`."""
+        return f"{self.root}{group}/"
+
+    def record(self, checkpoint: str) -> str:
+        """Key of a checkpoint's record."""
+        return f"{self.root}records/{checkpoint}.json"
+
+    def payload(self, checkpoint: str, kind: str, base: str | None) -> str:
+        """Key of a payload, derived from its content only."""
+        if kind == "full":
+            return f"{self.root}payloads/{checkpoint}.full.zst"
+        return f"{self.root}payloads/{checkpoint}.delta.{base}.zst"
+
+    def head_copy(self, checkpoint: str) -> str:
+        """Key of the full copy kept while a delta checkpoint is a head."""
+        return f"{self.root}heads/{checkpoint}.zst"
+
+    def entry(self, digest: str) -> str:
+        """Key of the name entry with content digest ``digest``."""
+        return f"{self.root}names/{digest}.json"
+
+    def trash(self, payload_key: str) -> str:
+        """Where gc keeps a payload it is removing until the removal is settled."""
+        return f"{self.root}trash/{self.parse(payload_key).name}"
+
+    def payload_of_trash(self, trash_key: str) -> str:
+        """The payload key a trash key was moved from."""
+        return f"{self.root}payloads/{self.parse(trash_key).name}"
+
+    def parse(self, key: str) -> ParsedKey:
+        """Take a key of this run apart.
+
+        Raises
+        ------
+        ValueError
+            If ``key`` is not under this run.
+        """
+        if not key.startswith(self.root):
+            raise ValueError(f"key {key!r} is not under {self.root!r}")
+        group, _, name = key[len(self.root):].partition("/")
+        stem = name.split(".", 1)[0]
+        return ParsedKey(group, name, stem if is_id(stem) else None)
+
+    def record_id(self, key: str) -> str | None:
+        """The checkpoint id if ``key`` is exactly a record's key, else None."""
+        parsed = self.parse(key)
+        if parsed.group == "records" and parsed.checkpoint is not None \
+                and parsed.name == f"{parsed.checkpoint}.json":
+            return parsed.checkpoint
+        return None
+
+    def head_copy_id(self, key: str) -> str | None:
+        """The checkpoint id if ``key`` is exactly a head copy's key, else None."""
+        parsed = self.parse(key)
+        if parsed.group == "heads" and parsed.checkpoint is not None \
+                and parsed.name == f"{parsed.checkpoint}.zst":
+            return parsed.checkpoint
+        return None

@@ -1,0 +1,426 @@
+"""The objects of a run's log as stored: records and name entries, their format and checks.
+
+A record describes a checkpoint's *content* (id, payload, sizes, parent);
+a name entry says which checkpoint a file name of the run stands for, with
+its annotations. Both are small JSON objects, written once; everything read
+back is untrusted and validated here field by field (types, nesting depth,
+size, name lengths a file system can hold) before anything acts on it.
+
+Format versions
+---------------
+Every record and name entry carries ``"format"``.  Format 1 (before name
+entries) kept a committed file's name and model in the record's ``meta``
+(``meta.name``, ``meta.model``); since a record describes *content*, a
+second file with the same bytes was lost.  Format 2 keeps names in entries
+of their own, ``names/<digest>.json``, one per (name, id, annotations), so
+the same bytes under two names are two entries and a restore brings back
+both.  Format-1 records that name a file are still read, as entries of
+their own (:attr:`NameEntry.legacy`); objects of a format above
+:data:`LOG_FORMAT` are reported as malformed rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from chkq.stores.base import InvalidKeyError, validate_key
+
+MAX_CHECKPOINT_ENV = "CHKQ_LOG_MAX_CHECKPOINT_BYTES"
+DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 30
+"""Largest checkpoint a log commits or reads unless ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` says."""
+MAX_OBJECT_BYTES = 1 << 20
+"""Largest record or name entry read (they are a few hundred bytes)."""
+NAME_MAX_BYTES = 255
+PATH_MAX_BYTES = 4095
+
+LOG_FORMAT = 2
+"""Format written by this version: 2 = names in entries of their own (see module docs)."""
+RECORD_FORMAT = LOG_FORMAT
+_HEX = frozenset("0123456789abcdef")
+_NONE = type(None)
+
+
+def is_id(text: object) -> bool:
+    """Whether ``text`` is a checkpoint id: 64 lowercase hex digits."""
+    return isinstance(text, str) and len(text) == 64 and set(text) <= _HEX
+
+
+def checkpoint_id(data: bytes) -> str:
+    """Return the id of a checkpoint: the hex SHA-256 of its bytes."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def max_checkpoint_bytes(environ: dict[str, str] | None = None) -> int:
+    """The configured cap on a checkpoint's size (``CHKQ_LOG_MAX_CHECKPOINT_BYTES``).
+
+    Raises
+    ------
+    ValueError
+        If the variable is not a positive whole number of bytes.
+    """
+    raw = (os.environ if environ is None else environ).get(MAX_CHECKPOINT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_CHECKPOINT_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be a number of bytes, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be positive, got {raw!r}")
+    return value
+
+
+def printable(text: str) -> str:
+    """``text`` with control and format characters escaped (``\\n``, ``\\x1b``, ``\\u202e``).
+
+    Names and keys come from store content and run directories; printed raw,
+    a terminal would act on them.
+    """
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def format_created(created: float) -> str:
+    """A record's or entry's ``created`` as UTC ISO 8601 (clamped: stored times are untrusted)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(max(0.0, min(created, 2.5e11))))
+
+
+def default_writer() -> str:
+    """Who commits from this process, as kept in name entries: ``host:pid``."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def check_relative_name(name: str) -> str:
+    """Return ``name`` if it is a safe relative path inside a run directory.
+
+    Names come from untrusted input (task messages, store contents) and
+    become paths under a restore directory, so anything that could leave it
+    is refused.
+
+    Raises
+    ------
+    ValueError
+        For an empty or absolute name, ``.``/``..``/empty components, a
+        backslash or a NUL character, a component longer than a file system
+        name (255 bytes) or a name longer than a path (4095 bytes).
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"invalid checkpoint name {name!r}: not a string")
+    parts = PurePosixPath(name).parts
+    if not parts or name.startswith("/") or any(p in ("", ".", "..") for p in parts) \
+            or "//" in name or name.endswith("/") or "\\" in name or "\x00" in name:
+        raise ValueError(f"invalid checkpoint name {name!r}: expected a relative path "
+                         "inside the run directory")
+    try:
+        encoded = [p.encode() for p in parts]
+    except UnicodeEncodeError:
+        raise ValueError(f"invalid checkpoint name {name!r}: not encodable") from None
+    if any(len(p) > NAME_MAX_BYTES for p in encoded) or len(name.encode()) > PATH_MAX_BYTES:
+        raise ValueError(f"invalid checkpoint name {name[:80]!r}...: a component is longer "
+                         f"than {NAME_MAX_BYTES} bytes or the name than {PATH_MAX_BYTES}")
+    return name
+
+
+def _json_object(raw: str | bytes, what: str, fields: Any, required: Any) -> dict[str, Any]:
+    """Parse a stored record or entry: a JSON object of a known format with typed fields.
+
+    Raises
+    ------
+    ValueError
+        Saying what is wrong.
+    """
+    if len(raw) > MAX_OBJECT_BYTES:
+        raise ValueError(f"{what} of {len(raw)} bytes is larger than {MAX_OBJECT_BYTES}")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{what} is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    _check_format(obj)
+    _check_types(obj, fields, required)
+    return obj
+
+
+def _check_format(obj: dict[str, Any]) -> None:
+    version = obj.get("format", 1)
+    if type(version) is not int or version < 1:
+        raise ValueError(f"bad format {version!r}")
+    if version > LOG_FORMAT:
+        raise ValueError(f"format {version} is newer than this chkq reads ({LOG_FORMAT})")
+
+
+def _check_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]],
+                 required: frozenset[str]) -> None:
+    """Check each known field of ``obj`` against its allowed types (bool is not int)."""
+    for name in required:
+        if name not in obj:
+            raise ValueError(f"field {name!r} missing")
+    for name, types in spec.items():
+        if name not in obj:
+            continue
+        value = obj[name]
+        is_bool = isinstance(value, bool)
+        if (is_bool and bool not in types) or not isinstance(value, types):
+            wanted = " or ".join("null" if t is _NONE else t.__name__ for t in types)
+            raise ValueError(f"field {name!r} is {type(value).__name__}, expected {wanted}")
+
+
+_RECORD_FIELDS: dict[str, tuple[type, ...]] = {
+    "id": (str,), "parent": (str, _NONE), "kind": (str,), "base": (str, _NONE),
+    "depth": (int,), "payload": (str,), "stored_size": (int,), "full_size": (int,),
+    "step": (int, _NONE), "label": (str, _NONE), "meta": (dict,), "fork": (dict, _NONE),
+    "created": (int, float), "format": (int,),
+}
+_RECORD_REQUIRED = frozenset({"id", "kind", "depth", "payload", "stored_size", "full_size"})
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    """The immutable description of one committed checkpoint (its content, not its names).
+
+    Attributes
+    ----------
+    id
+        Hex SHA-256 of the checkpoint's full bytes.
+    parent
+        Id of the checkpoint this one was committed on (or forked from).
+    kind
+        ``"full"`` (payload holds the whole checkpoint) or ``"delta"``.
+    base
+        For a delta, the id of the checkpoint it is encoded against.
+    depth
+        Number of deltas between this checkpoint and its full keyframe.
+    payload
+        Store key of the payload.
+    stored_size
+        Bytes of the payload.
+    full_size
+        Bytes of the checkpoint.
+    step, label, meta
+        The first committer's annotations (``meta`` is a JSON object); the
+        annotations of every named commit are in its :class:`NameEntry`.
+    fork
+        For a checkpoint made by :meth:`CheckpointLog.fork`:
+        ``{"source": <id>, "edit": <description or None>}``.
+    created
+        POSIX time at which the record was written.
+    format
+        Log format the record was written in (see module docs).
+    """
+
+    id: str
+    parent: str | None
+    kind: Literal["full", "delta"]
+    base: str | None
+    depth: int
+    payload: str
+    stored_size: int
+    full_size: int
+    step: int | None = None
+    label: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    fork: dict[str, Any] | None = None
+    created: float = 0.0
+    format: int = RECORD_FORMAT
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def to_json(self) -> bytes:
+        """Serialise as small, human-readable JSON."""
+        return (json.dumps(asdict(self), indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> CheckpointRecord:
+        """Parse and validate :meth:`to_json` output (unknown fields are ignored).
+
+        Every field's type is checked, so that one record with, say, a string
+        ``depth`` is reported as malformed instead of failing later, deep in
+        a listing or a load.
+
+        Raises
+        ------
+        ValueError
+            If the text is not a valid record; the message says what is wrong.
+        """
+        obj = _json_object(raw, "record", _RECORD_FIELDS, _RECORD_REQUIRED)
+        obj.setdefault("format", 1)
+        obj.setdefault("parent", None)
+        obj.setdefault("base", None)
+        names = cls.__dataclass_fields__
+        record = cls(**{k: v for k, v in obj.items() if k in names})
+        if not is_id(record.id) or record.kind not in ("full", "delta"):
+            raise ValueError("record has a malformed id or kind")
+        if record.parent is not None and not is_id(record.parent):
+            raise ValueError("record has a malformed parent")
+        if record.kind == "delta" and not (is_id(record.base) and record.depth >= 1):
+            raise ValueError("delta record without a valid base and depth")
+        if record.kind == "full" and (record.base is not None or record.depth != 0):
+            raise ValueError("full record with a base or a depth")
+        if record.stored_size < 0 or record.full_size < 0:
+            raise ValueError("record has a negative size")
+        return record
+
+
+_ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
+    "name": (str,), "id": (str,), "model": (str, _NONE), "step": (int, _NONE),
+    "label": (str, _NONE), "writer": (str, _NONE), "meta": (dict,), "created": (int, float),
+    "format": (int,), "mode": (int, _NONE),
+}
+_ENTRY_REQUIRED = frozenset({"name", "id"})
+
+
+@dataclass(frozen=True)
+class NameEntry:
+    """One committed file of a run: its name, the checkpoint it holds, and annotations.
+
+    Entries are write-once, like records, under a key derived from their
+    content (:meth:`digest`), so committing the same file again (a
+    redelivered task) writes nothing new, while the same bytes under another
+    name, or with other annotations, are an entry of their own.
+
+    Attributes
+    ----------
+    name
+        Path relative to the run directory (``run_chk00003/thread_0001.h5``).
+    id
+        The checkpoint id of the file's bytes.
+    model
+        The model (run name of the simulation) the file belongs to, if known.
+    step, label, meta
+        The annotations of this commit.
+    writer
+        Who committed it (``host:pid`` by default); not part of the key.
+    created
+        POSIX time of the commit, as its writer says.
+    mode
+        The file's permission bits when committed (None for entries written
+        before modes were kept); restore gives the file ``mode & 0o777``.
+    legacy
+        True for an entry read from a format-1 record's ``meta.name``.
+    """
+
+    name: str
+    id: str
+    model: str | None = None
+    step: int | None = None
+    label: str | None = None
+    writer: str | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    created: float = 0.0
+    mode: int | None = None
+    legacy: bool = False
+
+    def digest(self) -> str:
+        """Hex SHA-256 of what makes the entry distinct (writer and time excluded)."""
+        identity: dict[str, Any] = {
+            "name": self.name, "id": self.id, "model": self.model, "step": self.step,
+            "label": self.label, "meta": self.meta}
+        if self.mode is not None:
+            identity["mode"] = self.mode
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+    def to_json(self) -> bytes:
+        """Serialise as small JSON (``legacy`` is never stored)."""
+        obj = {"format": LOG_FORMAT, **asdict(self)}
+        del obj["legacy"]
+        if obj["mode"] is None:
+            del obj["mode"]
+        return (json.dumps(obj, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> NameEntry:
+        """Parse and validate :meth:`to_json` output.
+
+        Raises
+        ------
+        ValueError
+            If the text is not a valid entry.
+        """
+        obj = _json_object(raw, "entry", _ENTRY_FIELDS, _ENTRY_REQUIRED)
+        names = set(cls.__dataclass_fields__) - {"legacy"}
+        entry = cls(**{k: v for k, v in obj.items() if k in names})
+        if not is_id(entry.id):
+            raise ValueError("entry has a malformed checkpoint id")
+        if entry.mode is not None and not 0 <= entry.mode <= 0o7777:
+            raise ValueError(f"entry has a mode out of range: {entry.mode!r}")
+        check_relative_name(entry.name)
+        return entry
+
+    @property
+    def file_mode(self) -> int:
+        """Permission bits a restored copy gets: the committed ones, never setuid, setgid
+        or sticky; 0600 when the entry kept none."""
+        return 0o600 if self.mode is None else stat.S_IMODE(self.mode) & 0o777
+
+    def model_matches(self, model: str) -> bool:
+        """Whether the file belongs to ``model``.
+
+        The entry's own model decides; an entry without one (committed by
+        hand) belongs to the model its name says, ``MODEL_chkNNNNN[.h5]`` or
+        ``MODEL_chkNNNNN/...`` as slug names checkpoints, and to no model
+        otherwise.
+        """
+        if self.model is not None:
+            return self.model == model
+        return model_of_name(self.name) == model
+
+
+def model_of_name(name: str) -> str | None:
+    """The model a slug-style checkpoint name belongs to, or None."""
+    first = name.split("/", 1)[0]
+    found = re.fullmatch(r"(.+)_chk\d{5}(\.h5)?", first)
+    return found.group(1) if found else None
+
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it can name a run: one non-empty key component.
+
+    Raises
+    ------
+    ValueError
+        If it is empty, contains ``/``, a backslash or NUL, or is ``.``/``..``.
+    """
+    if not isinstance(run_id, str) or not run_id or "/" in run_id:
+        raise ValueError(f"invalid run id {run_id!r}: must be a non-empty name without '/'")
+    try:
+        validate_key(run_id)
+    except InvalidKeyError as exc:
+        raise ValueError(f"invalid run id {run_id!r}: {exc}") from None
+    return run_id
+
+
+def choose_entries(by_name: dict[str, list[NameEntry]], *, decided: bool
+            ) -> tuple[dict[str, NameEntry], dict[str, list[NameEntry]]]:
+    """Each name's entry (its latest, entries oldest first), and the names in conflict.
+
+    A name's entries conflict when they name different checkpoints and
+    ``decided`` is False (no trusted keys vouch for their writers).
+    """
+    chosen: dict[str, NameEntry] = {}
+    conflicts: dict[str, list[NameEntry]] = {}
+    for name, found in by_name.items():
+        if len({e.id for e in found}) > 1 and not decided:
+            conflicts[name] = found
+        else:
+            chosen[name] = found[-1]
+    return chosen, conflicts
+
+
+def corruption_reason(exc: BaseException) -> str:
+    """The reason a load or read failed, without the message's checkpoint and key prefix."""
+    return str(getattr(exc, "why", None) or exc)

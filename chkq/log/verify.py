@@ -1,0 +1,301 @@
+"""Checking a run in its store without writing: what :meth:`CheckpointLog.verify` does.
+
+Everything a restore depends on is checked: every record is well formed (and,
+with trusted keys, signed) and its payload exists; every parent and delta base
+is recorded with a consistent depth; every head copy decodes, block by block
+and bounded by its record's size, to its record's id; every name entry is well
+formed and names a recorded checkpoint, and no name's entries disagree (a
+conflict, when no trusted key decides). With ``read_data`` every checkpoint is
+rebuilt from its keyframe along its delta chain — never from a head copy or
+the cache, since a load prefers the head copy and would hide damage to the
+chain — each payload read once, depth first, so that memory holds one chain.
+Keys nothing refers to are orphans, not problems: crashed writers leave them
+and gc removes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from chkq import delta as codec
+from chkq.errors import CheckpointCorruptionError
+from chkq.log.keys import GROUPS
+from chkq.log.records import (
+    CheckpointRecord,
+    NameEntry,
+    choose_entries,
+    corruption_reason,
+    format_created,
+)
+
+if TYPE_CHECKING:
+    from chkq.log.checkpoint_log import CheckpointLog
+
+__all__ = ["ProgressCallback", "VerifyReport", "verify"]
+
+
+@dataclass
+class VerifyReport:
+    """What :meth:`CheckpointLog.verify` found.
+
+    Attributes
+    ----------
+    store, run
+        What was checked.
+    read_data
+        Whether payloads were decoded along their chains.
+    records, names, head_copies, payloads
+        Counts of readable records, readable name entries, head copies
+        checked and payload objects present.
+    decoded, decoded_bytes
+        Checkpoints rebuilt and verified (``read_data``), and their bytes.
+    problems
+        ``(key, why)`` for everything wrong: a missing or undecodable
+        payload, a head copy that does not decode to its record's id, a
+        malformed record or entry, a dangling reference.
+    orphans
+        Keys nothing refers to (left by crashed writers; ``gc`` removes them).
+    """
+
+    store: str
+    run: str
+    read_data: bool
+    records: int = 0
+    names: int = 0
+    head_copies: int = 0
+    payloads: int = 0
+    decoded: int = 0
+    decoded_bytes: int = 0
+    problems: list[tuple[str, str]] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found (orphans are not problems)."""
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary."""
+        summary = asdict(self)
+        summary["ok"] = self.ok
+        summary["problems"] = [{"key": k, "problem": why} for k, why in self.problems]
+        return summary
+
+
+ProgressCallback = Callable[[str, int, int], None]
+"""``progress(phase, done, total)``, called as verification goes on."""
+
+
+def verify(log: CheckpointLog, *, read_data: bool = False,
+           progress: ProgressCallback | None = None) -> VerifyReport:
+    """Check the run in the store without writing anything.
+
+    Checks that every record is well formed and its payload exists,
+    that every delta's base and every parent has a record, that every
+    head copy decodes to its record's id, and that every name entry is
+    well formed and names a recorded checkpoint.  With ``read_data``,
+    every checkpoint is also rebuilt along its delta chain — never from
+    a head copy or the cache, so damage a head copy hides is found — and
+    checked against its id.  Keys nothing refers to are listed as
+    orphans (not problems: crashed writers leave them, ``gc`` removes them).
+
+    Parameters
+    ----------
+    read_data
+        Decode every payload (reads the whole run once).
+    progress
+        Called as ``progress(phase, done, total)``.
+    """
+    report = VerifyReport(store=log.store.url, run=log.run_id, read_data=read_data)
+    problems = report.problems
+    keys = log.store.list(log._root)
+    groups: dict[str, list[str]] = {}
+    for key in keys:
+        group = log.keys.parse(key).group
+        groups.setdefault(group, []).append(key)
+    for group in sorted(set(groups) - set(GROUPS)):
+        report.orphans.extend(groups[group])
+    report.orphans.extend(groups.get("trash", []))
+    for group in ("records", "payloads", "heads", "names"):
+        if group not in groups:
+            prefix = log.keys.group(group)
+            log._list(prefix)
+            why = log.malformed.get(prefix)
+            if why is not None:
+                problems.append((prefix, why))
+
+    def tick(phase: str, done: int, total: int) -> None:
+        if progress is not None:
+            progress(phase, done, total)
+
+    records: dict[str, CheckpointRecord] = {}
+    record_keys = groups.get("records", [])
+    bad_ids: set[str] = set()
+    for done, key in enumerate(record_keys, 1):
+        checkpoint = log.keys.record_id(key)
+        if checkpoint is None:
+            if log.keys.parse(key).nested:
+                problems.append((key, "not a record: records are not kept in "
+                                 "subdirectories"))
+            else:
+                report.orphans.append(key)
+            continue
+        log._records.pop(checkpoint, None)
+        try:
+            record = log._fetch_record(checkpoint)
+        except CheckpointCorruptionError as exc:
+            problems.append((key, corruption_reason(exc)))
+            bad_ids.add(checkpoint)
+            continue
+        if record is not None:
+            records[checkpoint] = record
+        tick("records", done, len(record_keys))
+    report.records = len(records)
+
+    payloads = set(groups.get("payloads", []))
+    report.payloads = len(payloads)
+    missing: set[str] = set()
+    for record in records.values():
+        if record.payload not in payloads and not log.store.exists(record.payload):
+            missing.add(record.id)
+            problems.append((record.payload, f"payload of checkpoint {record.id} missing"))
+        if record.parent is not None and record.parent not in records \
+                and record.parent not in bad_ids:
+            problems.append((log.record_key(record.id),
+                             f"parent {record.parent} has no record"))
+        if record.kind == "delta":
+            assert record.base is not None
+            base = records.get(record.base)
+            if base is None and record.base not in bad_ids:
+                problems.append((log.record_key(record.id),
+                                 f"delta base {record.base} has no record"))
+            elif base is not None and base.depth + 1 != record.depth:
+                problems.append((log.record_key(record.id),
+                                 f"depth {record.depth} but its base has depth "
+                                 f"{base.depth}"))
+    referenced = {r.payload for r in records.values()}
+    for key in sorted(payloads - referenced):
+        if log.keys.parse(key).checkpoint not in bad_ids:
+            report.orphans.append(key)
+
+    parents = {r.parent for r in records.values()}
+    head_keys = groups.get("heads", [])
+    for done, key in enumerate(head_keys, 1):
+        checkpoint = log.keys.head_copy_id(key)
+        record = records.get(checkpoint) if checkpoint is not None else None
+        if checkpoint is None or record is None or checkpoint in parents or record.kind != "delta":
+            report.orphans.append(key)
+            continue
+        report.head_copies += 1
+        why = _check_head_copy(log, key, record)
+        if why is not None:
+            problems.append((key, why))
+        tick("head copies", done, len(head_keys))
+
+    entry_keys = groups.get("names", [])
+    read_entries: dict[str, list[NameEntry]] = {}
+    for done, key in enumerate(entry_keys, 1):
+        if log.keys.parse(key).nested:
+            problems.append((key, "not a name entry: entries are not kept in "
+                             "subdirectories"))
+            continue
+        entry = log._read_entry(key)
+        if entry is None:
+            if key in log.malformed:
+                problems.append((key, log.malformed[key]))
+            continue
+        report.names += 1
+        read_entries.setdefault(entry.name, []).append(entry)
+        if entry.id not in records and entry.id not in bad_ids:
+            problems.append((key, f"name {entry.name!r} points to checkpoint {entry.id}, "
+                             "which has no record"))
+        tick("names", done, len(entry_keys))
+
+    for found in read_entries.values():
+        found.sort(key=lambda e: (e.created, e.id))
+    _, conflicts = choose_entries(read_entries, decided=log.trust.enforcing)
+    for name, found in sorted(conflicts.items()):
+        ids = ", ".join(f"{e.id} (created {format_created(e.created)})" for e in found)
+        for entry in found:
+            problems.append((log.entry_key(entry),
+                             f"conflict: name {name!r} has entries for different "
+                             f"checkpoints: {ids}; restore refuses it"))
+
+    if read_data:
+        _verify_chains(log, records, missing, report, tick)
+    report.orphans.sort()
+    return report
+
+
+def _check_head_copy(log: CheckpointLog, key: str, record: CheckpointRecord) -> str | None:
+    try:
+        raw = log.store.get_at_most(key, codec.compress_bound(record.full_size))
+    except KeyError:
+        return None
+    digest = hashlib.sha256()
+    try:
+        for block in codec.iter_full(raw, record.full_size):
+            digest.update(block)
+    except codec.DeltaError as exc:
+        return f"head copy of checkpoint {record.id} does not decode: {exc}"
+    if digest.hexdigest() != record.id:
+        return f"head copy does not decode to its record's id {record.id}"
+    return None
+
+
+def _verify_chains(log: CheckpointLog, records: dict[str, CheckpointRecord], missing: set[str],
+                   report: VerifyReport, tick: Callable[[str, int, int], None]) -> None:
+    """Rebuild every checkpoint from its keyframe, depth first, each payload read once."""
+    children: dict[str, list[CheckpointRecord]] = {}
+    for record in records.values():
+        if record.kind == "delta":
+            assert record.base is not None
+            children.setdefault(record.base, []).append(record)
+    stack: list[tuple[CheckpointRecord, bytes | None]] = [
+        (r, None) for r in sorted(records.values(), key=lambda r: r.id, reverse=True)
+        if r.kind == "full"
+    ]
+    reached: set[str] = set()
+    total = len(records)
+    while stack:
+        record, base = stack.pop()
+        reached.add(record.id)
+        try:
+            if base is None:
+                data = log._verified(record, log._decode_full(record), cache=False)
+            else:
+                data = log._verified(record, log._decode_delta(record, base), cache=False)
+        except CheckpointCorruptionError as exc:
+            if record.id not in missing:
+                report.problems.append(
+                    (record.payload, f"checkpoint {record.id}: {corruption_reason(exc)}"))
+            for child in _descendants(children, record.id):
+                reached.add(child.id)
+                report.problems.append(
+                    (child.payload, f"checkpoint {child.id} cannot be rebuilt: its base "
+                     f"{record.id} is damaged"))
+            continue
+        report.decoded += 1
+        report.decoded_bytes += len(data)
+        tick("data", len(reached), total)
+        for child in children.get(record.id, []):
+            stack.append((child, data))
+    for record in records.values():
+        if record.id not in reached and record.kind == "delta":
+            report.problems.append(
+                (record.payload, f"checkpoint {record.id} cannot be rebuilt: its delta "
+                 "chain does not reach a full payload"))
+
+
+def _descendants(children: dict[str, list[CheckpointRecord]], root: str
+                 ) -> list[CheckpointRecord]:
+    found: list[CheckpointRecord] = []
+    todo = list(children.get(root, []))
+    while todo:
+        record = todo.pop()
+        found.append(record)
+        todo.extend(children.get(record.id, []))
+    return found
