@@ -46,7 +46,7 @@ def merge_parts(plan: Plan) -> int:
         fd = open_output_fd(run, plan, READ)
         try:
             if parts or whole:
-                with h5py.File(fd_path(fd), "r+") as out:
+                with h5py.File(fd_path(fd), "r+", libver=tuple(plan.libver)) as out:
                     check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
                     for index in parts:
                         target = out[plan.datasets[index].name]

@@ -34,6 +34,8 @@ if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
     from chkq.structure import FileScan
 
 PLAN_VERSION = 1
+#: Library version bounds a plan may name (h5py's ``libver`` values).
+LIBVER_NAMES = ("earliest", "v108", "v110", "v112", "v114", "v200", "latest")
 
 
 @dataclass
@@ -110,7 +112,10 @@ class Plan:
     template of the output; ``temp_inode`` identifies the temporary output
     the planner created; ``out_dir_id`` is the run directory's device and
     inode; ``file_digests`` holds each file's
-    ``chkq.structure.FileScan.digest`` ("" where the scan took none).
+    ``chkq.structure.FileScan.digest`` ("" where the scan took none);
+    ``libver`` holds the library version bounds (h5py's ``libver``) under
+    which the output is written (``chkq.skeleton.format_bounds``): every
+    open of it for writing uses them.
     """
 
     job_id: str
@@ -127,6 +132,7 @@ class Plan:
     temp_inode: int = 0
     file_digests: list[str] = field(default_factory=list)
     out_dir_id: list[int] = field(default_factory=list)
+    libver: list[str] = field(default_factory=lambda: ["earliest", "latest"])
     version: int = PLAN_VERSION
 
     @property
@@ -174,6 +180,10 @@ class Plan:
             raise ValueError(f"plan version {raw.get('version')!r} is not {PLAN_VERSION}")
         raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
         raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
+        libver = raw.get("libver", ["earliest", "latest"])
+        if (not isinstance(libver, list) or len(libver) != 2
+                or not all(bound in LIBVER_NAMES for bound in libver)):
+            raise ValueError(f"plan's format bounds {libver!r} are not two of {LIBVER_NAMES}")
         return cls(**raw)
 
 

@@ -9,11 +9,12 @@ planning step reuse it (see ``chkq.tasks.protocol``).
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h5py import h5d, h5f, h5o, h5t
+from h5py import h5a, h5d, h5f, h5o, h5t
 
 from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
 from chkq.h5types import describe_type, element_count, has_reference
@@ -26,28 +27,33 @@ from chkq.plan import (
     offsets_of,
 )
 from chkq.rundir import RunDir
-from chkq.skeleton import create_skeleton, dataset_mode
+from chkq.skeleton import create_skeleton, dataset_mode, output_access
 from chkq.stamps import FileStamp, check_same, open_unchanged, stamp_of
 from chkq.structure import (
+    MIN_HOLD_BYTES,
     FileScan,
     check_same_structure,
     open_checkpoint_id,
     refuse_outside_storage,
     scan_file,
+    walk_objects,
 )
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
 
-def describe_template(reference: Path, names: list[str],
-                      totals: dict[str, list[int]], fd: int | None = None) -> list[DatasetPlan]:
+def describe_template(reference: Path, names: list[str], totals: dict[str, list[int]],
+                      block_bytes: int = DEFAULT_BLOCK_BYTES,
+                      fd: int | None = None) -> list[DatasetPlan]:
     """Plan every extensible dataset from the template; refuse what cannot be copied exactly.
 
     Raises
     ------
     ValueError
         Naming the dataset and what chkq does not support (references of
-        the new, 1.12-style kind in rows: they cannot be re-pointed).
+        the new, 1.12-style kind in rows: they cannot be re-pointed), or
+        what cannot be checked within ``block_bytes``
+        (:func:`check_template_memory`).
     """
     fid = open_checkpoint_id(reference, fd)
     datasets = []
@@ -71,9 +77,70 @@ def describe_template(reference: Path, names: list[str],
                 element_size=tid.get_size(),
             ))
         _refuse_external_template(fid, reference)
+        check_template_memory(fid, reference, block_bytes)
     finally:
         fid.close()
     return datasets
+
+
+def check_memory(scans: list[FileScan], block_bytes: int) -> None:
+    """Refuse a run whose rows a task could not move within ``block_bytes`` at once.
+
+    (Or within :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger.)
+
+    Raises
+    ------
+    ValueError
+        Naming the file, the dataset and the bytes it needs (:func:`memory_need`).
+    """
+    hold = max(block_bytes, MIN_HOLD_BYTES)
+    for scan in scans:
+        need, name = scan.memory
+        if need > hold:
+            raise ValueError(
+                f"dataset '/{name}' of checkpoint file {str(scan.path)!r} needs {need} bytes "
+                f"in memory at once (one row, or one chunk's rows when filtered), more than "
+                f"a task may hold (CHKQ_BLOCK_BYTES={block_bytes}): raise CHKQ_BLOCK_BYTES "
+                "or store smaller rows or chunks")
+
+
+def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) -> None:
+    """Refuse a template whose fixed data or attributes cannot be checked within a block.
+
+    The whole-output check reads every attribute at once (HDF5 reads no
+    part of one), an element at least, and a whole chunk of a filtered
+    dataset (HDF5 decodes whole chunks); each must fit in ``block_bytes`` (or in
+    :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger).
+
+    Raises
+    ------
+    ValueError
+        Naming the object and the bytes it needs.
+    """
+    where = f"checkpoint file {str(reference)!r}"
+    hold = max(block_bytes, MIN_HOLD_BYTES)
+    for raw, kind in [(b".", h5o.TYPE_GROUP), *walk_objects(fid, where)]:
+        name = "" if raw == b"." else raw.decode("utf-8", "surrogateescape")
+        obj = h5o.open(fid, raw)
+        for index in range(h5a.get_num_attrs(obj)):
+            attr = h5a.open(obj, index=index)
+            need = attr.get_type().get_size() * attr.get_space().get_simple_extent_npoints()
+            if need > hold:
+                label = attr.name.decode("utf-8", "surrogateescape")
+                raise ValueError(f"attribute {label!r} of '/{name}' in {where} holds {need} "
+                                 f"bytes, more than a task may hold (CHKQ_BLOCK_BYTES="
+                                 f"{block_bytes})")
+        if kind != h5o.TYPE_DATASET:
+            continue
+        assert isinstance(obj, h5d.DatasetID)
+        dcpl, size = obj.get_create_plist(), obj.get_type().get_size()
+        need = size
+        if dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters():
+            need = size * element_count(dcpl.get_chunk())
+        if need > hold:
+            raise ValueError(f"dataset '/{name}' of {where} needs {need} bytes in memory at "
+                             "once (one element, or one chunk when filtered), more than a task "
+                             f"may hold (CHKQ_BLOCK_BYTES={block_bytes})")
 
 
 def _classic_references(tid: h5t.TypeID) -> bool:
@@ -84,12 +151,10 @@ def _classic_references(tid: h5t.TypeID) -> bool:
 def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
     """Refuse a template whose datasets keep data in other files (the output would too)."""
 
-    def visit(name: bytes, info: h5o._ObjInfo) -> None:
-        if info.type == h5o.TYPE_DATASET:
+    for name, kind in walk_objects(fid, f"checkpoint file {str(reference)!r}"):
+        if kind == h5o.TYPE_DATASET:
             refuse_outside_storage(reference, name.decode("utf-8", "surrogateescape"),
                                    h5d.open(fid, name).get_create_plist())
-
-    h5o.visit(fid, visit, info=True)
 
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
@@ -146,7 +211,8 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
             skeletons.append(s.scan.objects)
         files.append([str(s.scan.path), skeletons.index(s.scan.objects),
                       list(s.scan.rows.values()), s.stamp.as_list(),
-                      [s.scan.plain_chunks.get(name) for name in s.scan.rows], s.scan.digest])
+                      [s.scan.plain_chunks.get(name) for name in s.scan.rows], s.scan.digest,
+                      list(s.scan.memory), list(s.scan.access)])
     return {"skeletons": skeletons, "files": files}
 
 
@@ -162,7 +228,8 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
         skeletons = [{str(k): str(v) for k, v in objects.items()}
                      for objects in record["skeletons"]]
         scanned = []
-        for path, index, rows, stamp, chunks, digest in record["files"]:
+        for (path, index, rows, stamp, chunks, digest, (need, needy),
+             (mode, uid, gid)) in record["files"]:
             objects = skeletons[index]
             names = [n for n, kind in objects.items() if kind.startswith("extensible ")]
             if len(rows) != len(names) or not all(type(r) is int for r in rows):
@@ -170,7 +237,8 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
             plain = {name: [int(x) for x in found]
                      for name, found in zip(names, chunks, strict=True) if found is not None}
             scan = FileScan(Path(path), objects, dict(zip(names, rows, strict=True)), plain,
-                            str(digest))
+                            str(digest), (int(need), str(needy)),
+                            (int(mode), int(uid), int(gid)))
             scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
         raise ValueError(f"malformed scan record: {exc}") from None
@@ -240,9 +308,11 @@ def scan_files(paths: list[Path], out_dir: str | Path,
         try:
             stamp = stamp_of(path, os.fstat(fd))
             scan = scan_file(path, fd=fd)
-            check_same(path, stamp, os.fstat(fd), "changed while it was being planned")
+            st = os.fstat(fd)
+            check_same(path, stamp, st, "changed while it was being planned")
         finally:
             os.close(fd)
+        scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
         scanned.append(ScannedFile(scan, stamp))
     return scanned
 
@@ -310,16 +380,19 @@ def prepare(
                 raise ValueError(f"the scans of job {job_id} do not match its checkpoint files")
         scans = [s.scan for s in scanned]
         check_same_structure(scans)
+        check_memory(scans, block_bytes)
         reference = checkpoints[-1].files[0]
         names = scans[0].extensible
         reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
         template = open_unchanged(rundir, reference, reference_stamp, job_id)
         try:
             datasets = describe_template(reference, names,
-                                         {n: offsets_of(n, scans) for n in names}, template)
+                                         {n: offsets_of(n, scans) for n in names},
+                                         block_bytes, template)
             rundir.unlink(job.temp)
-            layout, inode = create_skeleton(
+            layout, inode, bounds = create_skeleton(
                 job.temp, reference,
+                access=output_access([s.scan.access for s in scanned]),
                 rows={d.name: d.total for d in datasets},
                 raw={d.name for d in datasets if d.mode == "raw"},
                 run=rundir, template=template,
@@ -350,4 +423,5 @@ def prepare(
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
         out_dir_id=out_dir_id,
+        libver=list(bounds),
     )

@@ -24,6 +24,7 @@ in the file, so they cost neither time nor disk.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -36,11 +37,41 @@ from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
 from chkq.rundir import CREATE, RunDir, fd_path
-from chkq.structure import open_checkpoint_id, stored_chunks
+from chkq.structure import open_checkpoint_id, stored_chunks, walk_objects
 from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024
+
+#: The lowest library version bound that writes each superblock version: what the file's
+#: writer must have asked for at least.
+_SUPERBLOCK_LOW = {0: "earliest", 1: "earliest", 2: "v108", 3: "v110"}
+
+
+def format_bounds(template: h5py.File, datasets: list[str]) -> tuple[str, str]:
+    """The library version bounds (h5py ``libver``) under which chkq writes into the output.
+
+    HDF5 does not store a file's bounds; it opens every file with the
+    default ones (``earliest``), and objects created then get the oldest
+    formats: a recreated dataset would have a version 1 object header
+    where the template's has version 2 (which is where "do not track
+    times" is kept, and which allows attributes over 64 KiB). The low
+    bound is the one the template's writer used at least: that of its
+    superblock version, raised to 1.8 when any of ``datasets`` (those chkq
+    may recreate) has a version 2 header. The high bound is the library's
+    latest, so that nothing the template holds is refused.
+    """
+    superblock = template.id.get_create_plist().get_version()[0]
+    low = _SUPERBLOCK_LOW.get(superblock, "latest")
+    if low == "earliest" and any(h5o.get_info(template[name].id).hdr.version >= 2
+                                 for name in datasets):
+        low = "v108"
+    return low, "latest"
+
+
+def header_version(bounds: tuple[str, str]) -> int:
+    """The object header version HDF5 gives objects created under ``bounds``."""
+    return 1 if bounds[0] == "earliest" else 2
 
 
 def dataset_mode(dsid: h5d.DatasetID) -> str:
@@ -107,6 +138,51 @@ def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
     return offsets
 
 
+def output_access(files: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    """The permission bits, owner and group the output gets: never more readable than its sources.
+
+    ``files`` holds each checkpoint file's ``(permission bits, uid, gid)``.
+    The bits are those every checkpoint has (no execute, setuid, setgid or
+    sticky bit), plus read and write for the owner (the job writes the
+    output after creating it). The owner and the group are the ones all
+    checkpoints share, -1 where they differ (the output then keeps the
+    worker's, and gets no group bits). The checkpoints' owner, not the run
+    directory's: whoever owns a directory may have linked another user's
+    files into it.
+    """
+    mode = 0o666
+    for bits, _uid, _gid in files:
+        mode &= bits
+    owners = {uid for _bits, uid, _gid in files}
+    groups = {gid for _bits, _uid, gid in files}
+    return (mode | 0o600, owners.pop() if len(owners) == 1 else -1,
+            groups.pop() if len(groups) == 1 else -1)
+
+
+def _apply_access(fd: int, access: tuple[int, int, int]) -> None:
+    """Give the new output ``access`` (:func:`output_access`) as far as the worker may.
+
+    The owner and group change where the worker may change them (a worker
+    running as root or as the checkpoints' owner); where it may not, the output
+    stays the worker's, and group bits are dropped when its group is not
+    the checkpoints' own, so that no other group can read it.
+    """
+    mode, uid, gid = access
+    st = os.fstat(fd)
+    want_uid = uid if uid >= 0 else st.st_uid
+    want_gid = gid if gid >= 0 else st.st_gid
+    if (want_uid, want_gid) != (st.st_uid, st.st_gid):
+        try:
+            os.fchown(fd, want_uid, want_gid)
+        except PermissionError:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, want_gid)
+        st = os.fstat(fd)
+    if gid < 0 or st.st_gid != gid:
+        mode &= ~0o070
+    os.fchmod(fd, mode)
+
+
 def copy_template(src: int, out: int, skip: list[tuple[int, int]] | None = None) -> None:
     """Copy the bytes of the file open as ``src`` to the new, empty file open as ``out``.
 
@@ -157,31 +233,30 @@ def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
 
 
 def _holds_references(out: h5py.File) -> bool:
-    """Whether any attribute or dataset of the file holds references (to any object)."""
-    found = False
+    """Whether any attribute or dataset of the file holds references (to any object).
 
-    def visit(name: bytes, info: h5o._ObjInfo) -> int | None:
-        nonlocal found
+    The root's own attributes count too.
+    """
+    for name, kind in [(b".", h5o.TYPE_GROUP), *walk_objects(out.id, repr(out.filename))]:
         obj = h5o.open(out.id, name)
         for index in range(h5a.get_num_attrs(obj)):
             if has_reference(h5a.open(obj, index=index).get_type()):
-                found = True
-                return 1
-        if info.type == h5o.TYPE_DATASET and has_reference(obj.get_type()):
-            found = True
-            return 1
-        return None
-
-    h5o.visit(out.id, visit, info=True)
-    return found
+                return True
+        if kind == h5o.TYPE_DATASET and has_reference(obj.get_type()):
+            return True
+    return False
 
 
-def _recreatable(dataset: h5py.Dataset, file_has_references: bool) -> bool:
+def _recreatable(dataset: h5py.Dataset, file_has_references: bool,
+                 bounds: tuple[str, str]) -> bool:
     """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time.
 
     (Its modification time changes too, as it would by resizing it in place.)
+    A dataset whose object header has another version than the ones
+    ``bounds`` create is kept (a file may mix both).
     """
-    if file_has_references or h5o.get_info(dataset.id).rc != 1:
+    info = h5o.get_info(dataset.id)
+    if file_has_references or info.rc != 1 or info.hdr.version != header_version(bounds):
         return False
     dcpl = dataset.id.get_create_plist()
     fills = dcpl.get_fill_time() == h5d.FILL_TIME_ALLOC or (
@@ -229,9 +304,9 @@ def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
         dsid.write(h5s.create_simple((count, *shape[1:])), fspace, block[:count], mtype=tid)
 
 
-def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
-                    raw: set[str], *, run: RunDir,
-                    template: int) -> tuple[dict[str, list[int]], int]:
+def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[str],
+                    access: tuple[int, int, int] = (0o600, -1, -1), *, run: RunDir,
+                    template: int) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
     """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
 
     ``template`` is ``reference`` opened (and checked) by the caller: HDF5
@@ -247,11 +322,14 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
         Total rows of every extensible dataset.
     raw
         The raw-mode datasets, whose chunks must all be allocated.
+    access
+        The output's permission bits, owner and group (:func:`output_access`).
 
     Returns
     -------
-    For each raw-mode dataset, the file offset of every chunk; and the
-    inode of the temporary output.
+    For each raw-mode dataset, the file offset of every chunk; the inode of
+    the temporary output; and the format bounds (:func:`format_bounds`)
+    under which it was written, and must be whenever it is written again.
 
     Raises
     ------
@@ -260,27 +338,30 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int],
     """
     with h5py.File(open_checkpoint_id(reference, template)) as source:
         has_references = _holds_references(source) if raw else False
-        recreated = {name for name in raw if _recreatable(source[name], has_references)}
+        bounds = format_bounds(source, sorted(raw))
+        recreated = {name for name in raw
+                     if _recreatable(source[name], has_references, bounds)}
         skip = [r for name in recreated for r in _stored_ranges(source[name].id)]
         row_bytes = {name: source[name].id.get_type().get_size()
                      * int(np.prod(source[name].shape[1:], dtype=np.int64)) for name in rows}
-    fd = run.open_file(temp, CREATE, 0o644)
+    fd = run.open_file(temp, CREATE, 0o600)
     try:
+        _apply_access(fd, access)
         copy_template(template, fd, skip)
         inode = os.fstat(fd).st_ino
         reserve_space(fd, temp, os.fstat(template).st_size
                       + sum(total * row_bytes[name] for name, total in rows.items()))
-        layout = _resize(fd, rows, raw, recreated)
+        layout = _resize(fd, rows, raw, recreated, bounds)
     finally:
         os.close(fd)
-    return layout, inode
+    return layout, inode, bounds
 
 
-def _resize(fd: int, rows: dict[str, int], raw: set[str],
-            recreated: set[str]) -> dict[str, list[int]]:
+def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
+            bounds: tuple[str, str]) -> dict[str, list[int]]:
     """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``."""
     layout: dict[str, list[int]] = {}
-    with h5py.File(fd_path(fd), "r+") as out:
+    with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
         for name, total in rows.items():
             dataset = out[name]
             if name in recreated:

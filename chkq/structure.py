@@ -16,7 +16,7 @@ from pathlib import Path
 import h5py
 import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... with HDF5)
 import numpy as np
-from h5py import h5a, h5d, h5f, h5o, h5p, h5s, h5t, h5z
+from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5s, h5t, h5z
 
 from chkq.errors import CheckpointChangedError
 from chkq.h5types import element_count, is_variable, type_key
@@ -54,6 +54,14 @@ class FileScan:
         types: the SHA-256 of their rows as HDF5 reads them (in name order,
         :func:`chkq.rowio.digest_rows`), against which the output is
         verified without opening the file again; else "".
+    memory
+        The largest :func:`memory_need` of the file's extensible datasets
+        and that dataset's name ([0, ""] for none): the planner refuses a
+        run that needs more than a task's block.
+    access
+        The file's permission bits, owner and group (``st_mode & 0o7777``,
+        ``st_uid``, ``st_gid``), from which the output's are derived
+        (:func:`chkq.skeleton.output_access`); ``(0, -1, -1)`` if not taken.
     """
 
     path: Path
@@ -61,6 +69,8 @@ class FileScan:
     rows: dict[str, int] = field(default_factory=dict)
     plain_chunks: dict[str, list[int]] = field(default_factory=dict)
     digest: str = ""
+    memory: tuple[int, str] = (0, "")
+    access: tuple[int, int, int] = (0, -1, -1)
 
     @property
     def extensible(self) -> list[str]:
@@ -121,12 +131,87 @@ _SIGNATURES: dict[bytes, str] = {}
 #: declares more rows than its stored bytes could hold at that ratio is refused.
 MAX_FILTER_RATIO = 1100
 
+#: Bytes a task may always hold at once for one row, element, attribute or chunk, however
+#: small ``CHKQ_BLOCK_BYTES`` is (a small block paces the work; it does not make a 1 MiB
+#: row unreadable). What is refused is what needs more than the larger of the two.
+MIN_HOLD_BYTES = 16 * 1024 * 1024
+
 #: Most bytes of extensible rows a file may hold for its scan to digest them.
 DIGEST_FILE_BYTES = 1024 * 1024
 
-#: Bytes of rows a dataset may declare beyond what it stores (rows never written read as
-#: the fill value): enough for datasets created ahead of their data, not for forged sizes.
+#: Bytes of extensible rows a file may declare in chunks it does not store (rows never
+#: written read as the fill value), all its datasets together: enough for datasets created
+#: ahead of their data, not for forged sizes. An output is thus at most its sources'
+#: bytes (decoded) plus this much per file.
 UNWRITTEN_SLACK = 16 * 1024 * 1024
+
+
+#: Deepest object chkq walks to, in groups from the root (the root's members are at 1). HDF5's own
+#: visit recurses once per level and crashes the process on deep enough files, so every
+#: walk in chkq is iterative and refuses a file nested deeper before reading anything.
+MAX_DEPTH = 64
+
+
+def object_key(info: h5o._ObjInfo) -> tuple[int, int]:
+    """What identifies an object within an open file: its file number and address."""
+    return int(info.fileno), int(getattr(info, "addr", 0) or hash(getattr(info, "token", b"")))
+
+
+def too_deep(where: str, name: bytes) -> ValueError:
+    """The refusal of an object nested deeper than :data:`MAX_DEPTH` groups."""
+    shown = name.decode("utf-8", "surrogateescape")
+    if len(shown) > 120:
+        shown = shown[:60] + "..." + shown[-40:]
+    return ValueError(f"{where} nests groups more than {MAX_DEPTH} levels deep (at "
+                      f"'/{shown}'): chkq refuses files nested deeper")
+
+
+def walk_objects(fid: h5f.FileID, where: str) -> list[tuple[bytes, int]]:
+    """Every object reachable from the root by hard links, once each, with its kind.
+
+    The order and names are ``H5Ovisit``'s (depth first, links by name,
+    each object under the first name that reaches it), but the walk is a
+    loop over an explicit stack, one group's links at a time, so its depth
+    costs no native or Python stack. ``where`` names the file in errors.
+
+    Raises
+    ------
+    ValueError
+        If a group is nested deeper than :data:`MAX_DEPTH` (naming it).
+    """
+    found: list[tuple[bytes, int]] = []
+    root = h5g.open(fid, b"/")
+    seen = {object_key(h5o.get_info(root))}
+    stack: list[tuple[h5g.GroupID, bytes, list[bytes], int]] = [(root, b"", _link_names(root), 0)]
+    while stack:
+        group, prefix, names, index = stack[-1]
+        if index == len(names):
+            stack.pop()
+            continue
+        stack[-1] = (group, prefix, names, index + 1)
+        raw = names[index]
+        if group.links.get_info(raw).type != h5l.TYPE_HARD:
+            continue
+        info = h5o.get_info(group, raw)
+        key = object_key(info)
+        if key in seen:
+            continue
+        seen.add(key)
+        full = prefix + raw
+        if len(stack) > MAX_DEPTH:
+            raise too_deep(where, full)
+        found.append((full, info.type))
+        if info.type == h5o.TYPE_GROUP:
+            child = h5g.open(group, raw)
+            stack.append((child, full + b"/", _link_names(child), 0))
+    return found
+
+
+def _link_names(group: h5g.GroupID) -> list[bytes]:
+    """The names of a group's links, in name order."""
+    names: list[bytes] = []
+    group.links.iterate(names.append)
+    return names
 
 
 def _signature_of(tid: h5t.TypeID) -> str:
@@ -152,37 +237,80 @@ def refuse_outside_storage(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
                          "consolidate external storage")
 
 
-def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
-                  tid: h5t.TypeID) -> None:
-    """Refuse an extensible dataset chkq cannot copy exactly, or that declares rows it lacks.
-
-    Besides data outside the file (:func:`refuse_outside_storage`), a filter
-    without a plugin cannot be decoded, and a dataset that declares far more
-    rows than its stored bytes could hold would make chkq allocate and copy
-    data that does not exist. (Fixed datasets are taken from the template
-    only, which the planner checks.) ``dcpl`` and ``tid`` are the dataset's
-    creation properties and type.
-    """
-    refuse_outside_storage(path, name, dcpl)
-    where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
-    filtered = dcpl.get_nfilters() > 0
+def check_filters(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
+    """Refuse a dataset whose filters no installed plugin decodes (naming the filter)."""
     for index in range(dcpl.get_nfilters()):
         code, _flags, _values, label = dcpl.get_filter(index)
         if not h5z.filter_avail(code):
             text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
-            raise ValueError(f"{where} uses filter {code} ({text or 'unnamed'}), which no "
-                             "installed plugin can decode")
-    space = dsid.get_space()
-    declared = tid.get_size() * element_count(space.shape)
-    if declared == 0 or dcpl.get_layout() != h5d.CHUNKED:
-        return
-    chunk_bytes = tid.get_size() * element_count(dcpl.get_chunk())
-    stored = dsid.get_storage_size()
-    limit = (stored * MAX_FILTER_RATIO if filtered else stored) + max(chunk_bytes,
-                                                                      UNWRITTEN_SLACK)
-    if declared > limit:
-        raise ValueError(f"{where} declares {space.shape[0]} rows ({declared} bytes) but "
-                         f"stores only {stored} bytes: the file is damaged or forged")
+            raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} uses filter "
+                             f"{code} ({text or 'unnamed'}), which no installed plugin can "
+                             "decode")
+
+
+def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
+                  tid: h5t.TypeID) -> None:
+    """Refuse an extensible dataset chkq cannot copy exactly (data outside, filter missing).
+
+    Besides data outside the file (:func:`refuse_outside_storage`), a filter
+    without a plugin cannot be decoded. What its rows cost is checked by
+    :func:`declared_bytes`. ``dcpl`` and ``tid`` are the dataset's creation
+    properties and type.
+    """
+    refuse_outside_storage(path, name, dcpl)
+    check_filters(path, name, dcpl)
+
+
+def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
+                   tid: h5t.TypeID) -> int:
+    """Bytes a chunked dataset declares in chunks it does not store; refuse a forged one.
+
+    Each stored chunk holds its share of the dataset's extent (clipped at
+    the edges); the rest of the extent lies in chunks that are not stored,
+    which read as the fill value without costing a byte of the file. Those
+    are what the caller bounds (:data:`UNWRITTEN_SLACK` per file). The
+    stored chunks must hold their share: unfiltered, that is their size;
+    filtered, at most :data:`MAX_FILTER_RATIO` times it. The walk visits
+    stored chunks only, so it costs what the file holds, whatever it
+    declares. Not chunked: 0 (contiguous and compact data is read only
+    where it is stored).
+
+    Raises
+    ------
+    ValueError
+        If the stored chunks declare more than their bytes could hold.
+    """
+    shape = dsid.shape
+    if dcpl.get_layout() != h5d.CHUNKED or not shape or 0 in shape:
+        return 0
+    chunk = dcpl.get_chunk()
+    size = tid.get_size()
+    held, stored = 0, 0
+
+    def record(info: h5d.StoreInfo) -> None:
+        nonlocal held, stored
+        held += size * element_count([min(c, extent - o) for o, c, extent
+                                      in zip(info.chunk_offset, chunk, shape, strict=True)])
+        stored += int(info.size)
+
+    dsid.chunk_iter(record)
+    if held > stored * (MAX_FILTER_RATIO if dcpl.get_nfilters() else 1):
+        raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
+                         f"{held} bytes in chunks that store only {stored} bytes: the file "
+                         "is damaged or forged")
+    return size * element_count(shape) - held
+
+
+def memory_need(dcpl: h5p.PropDCID, tid: h5t.TypeID, shape: tuple[int, ...]) -> int:
+    """Bytes one task must hold at once to move an extensible dataset's rows.
+
+    One row; for a filtered dataset, one chunk's rows across the whole row
+    (HDF5 decodes whole chunks, and chkq encodes whole chunks of rows).
+    """
+    row = tid.get_size() * element_count(shape[1:])
+    if dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters():
+        return row * int(dcpl.get_chunk()[0])
+    return row
 
 
 def stored_chunks(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...]
@@ -218,6 +346,9 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     if tuple(chunk[1:]) != tuple(shape[1:]):
         return None
     chunk_bytes = element_size * element_count(chunk)
+    if dsid.get_num_chunks() != element_count([-(-n // c) for n, c in zip(shape, chunk,
+                                                                          strict=True)]):
+        return None  # some chunk is not stored (the grid itself is not walked)
     offsets = [int(chunk[0])]
     for _, info in stored_chunks(dsid, chunk, shape):
         if (info is None or info.byte_offset is None or info.size != chunk_bytes
@@ -251,7 +382,7 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
     ``digest``: whether to digest a small file's rows (:attr:`FileScan.digest`);
     ``fd``: the file already opened, to be read instead of ``path``
     (:func:`open_checkpoint_id`).
-    Uses the low-level API (``H5Fopen``, ``H5Ovisit``, ``H5Dopen``): the
+    Uses the low-level API (``H5Fopen``, :func:`walk_objects`, ``H5Dopen``): the
     high-level ``visititems`` built an h5py object per member and took
     ~1.6 ms a file, which dominated planning a run of thousands of files.
 
@@ -269,15 +400,10 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                 f"checkpoint file {str(path)!r} is incomplete: its root has no "
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
-        members: list[tuple[bytes, int]] = []
         extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID, tuple[int, ...]]] = {}
-
-        def visit(name: bytes, info: h5o._ObjInfo) -> None:
-            members.append((name, info.type))
-
+        unwritten, worst = 0, (0, "", 0)
         try:
-            h5o.visit(fid, visit, info=True)
-            for raw, kind in members:
+            for raw, kind in walk_objects(fid, f"checkpoint file {str(path)!r}"):
                 name = raw.decode("utf-8", "surrogateescape")
                 if kind == h5o.TYPE_GROUP:
                     scan.objects[name] = "group"
@@ -296,6 +422,13 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                         dcpl, tid = dsid.get_create_plist(), dsid.get_type()
                         extensible_types[name] = (dsid, tid, space.shape)
                         check_storage(path, name, dsid, dcpl, tid)
+                        unstored = declared_bytes(path, name, dsid, dcpl, tid)
+                        unwritten += unstored
+                        if unstored > worst[0]:
+                            worst = (unstored, name, int(space.shape[0]))
+                        need = memory_need(dcpl, tid, space.shape)
+                        if need > scan.memory[0]:
+                            scan.memory = (need, name)
                         trailing = tuple(space.shape[1:])
                         signature = _signature_of(tid)
                         scan.objects[name] = f"extensible {signature} {trailing}"
@@ -305,6 +438,12 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                             scan.plain_chunks[name] = found
                     else:
                         scan.objects[name] = "fixed"
+            if unwritten > UNWRITTEN_SLACK:
+                raise ValueError(
+                    f"dataset '/{worst[1]}' of checkpoint file {str(path)!r} declares "
+                    f"{worst[2]} rows, {worst[0]} bytes of them in chunks the file does not "
+                    f"store (at most {UNWRITTEN_SLACK} bytes of rows may be unwritten in a "
+                    "file, all datasets together): the file is damaged or forged")
             scan.digest = _small_file_digest(extensible_types) if digest else ""
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None

@@ -100,15 +100,50 @@ def window_rows(plan: Plan, first: int, stop: int) -> dict[int, int]:
     """Rows per read of each fixed-size dataset, so that the unit holds about one block.
 
     Half the block goes to output windows, half to source reads, shared
-    between datasets by their share of the unit's bytes (at least one row).
+    between datasets by their share of the unit's bytes. A dataset whose
+    share is less than a row gets 0: :class:`Windows` reads it through a
+    window of its own, held only while one file's rows are compared, so
+    that many datasets of large rows cannot add up past the block.
     """
     sizes = {i: (d.offsets[stop] - d.offsets[first]) * d.row_bytes
              for i, d in enumerate(plan.datasets)}
     total = max(1, sum(sizes.values()))
     half = plan.block_bytes // 2
-    return {i: max(1, min(plan.datasets[i].offsets[stop] - plan.datasets[i].offsets[first],
-                          int(half * sizes[i] / total) // max(plan.datasets[i].row_bytes, 1)))
+    return {i: min(plan.datasets[i].offsets[stop] - plan.datasets[i].offsets[first],
+                   int(half * sizes[i] / total) // max(plan.datasets[i].row_bytes, 1))
             for i in sizes}
+
+
+class Windows:
+    """The output windows and source buffers of a verify unit's fixed-size datasets.
+
+    Those :func:`window_rows` gives rows keep their window for the whole
+    unit (read ahead across its files); the others get a window of at most
+    half a block, for one file's rows, each time they are compared. Memory:
+    about one block kept, plus one block (or two rows, for a row larger
+    than half a block) while such a dataset is compared.
+    """
+
+    def __init__(self, plan: Plan, outputs: list[h5d.DatasetID], first: int, stop: int,
+                 wanted: set[int]) -> None:
+        self.plan, self.outputs, self.stop, self.wanted = plan, outputs, stop, wanted
+        capacity = window_rows(plan, first, stop)
+        self.kept = {i: OutputWindow(outputs[i], plan.datasets[i], capacity[i],
+                                     plan.datasets[i].offsets[stop])
+                     for i in wanted if capacity[i]}
+        self.sources = {i: np.empty_like(w.buffer) for i, w in self.kept.items()}
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.wanted
+
+    def get(self, index: int, start: int, end: int) -> tuple[OutputWindow, np.ndarray]:
+        """The window and source buffer of dataset ``index``, for output rows ``[start, end)``."""
+        if index in self.kept:
+            return self.kept[index], self.sources[index]
+        d = self.plan.datasets[index]
+        rows = max(1, min(end - start, self.plan.block_bytes // 2 // max(d.row_bytes, 1)))
+        window = OutputWindow(self.outputs[index], d, rows, d.offsets[self.stop])
+        return window, np.empty_like(window.buffer)
 
 
 Digests = dict[int, list[tuple[int, int, str]]]
@@ -168,11 +203,9 @@ def verify_files(
         check_descriptor(plan.job.temp, out.get_vfd_handle(), plan.temp_inode)
         outputs = [h5d.open(out, d.name.encode()) for d in plan.datasets]
         plain = [not is_variable(o.get_type()) for o in outputs]
-        capacity = window_rows(plan, first, stop)
-        windows = {i: OutputWindow(outputs[i], d, capacity[i], d.offsets[stop])
-                   for i, d in enumerate(plan.datasets)
-                   if plain[i] and d.total and i not in digests}
-        sources = {i: np.empty_like(w.buffer) for i, w in windows.items()}
+        windows = Windows(plan, outputs, first, stop,
+                          {i for i, d in enumerate(plan.datasets)
+                           if plain[i] and d.total and i not in digests})
         high_level = None
         by_digest = bool(plan.file_digests) and all(d.mode == "raw" for d in plan.datasets)
         for file_index in range(first, stop):
@@ -198,7 +231,7 @@ def verify_files(
                         _compare_digests(plan, d, file_index, digests[i].get(file_index, []),
                                          h5py.Dataset(outputs[i]), h5py.Dataset(dsid), path)
                     elif i in windows:
-                        _compare_plain(d, dsid, windows[i], sources[i], start, end, path)
+                        _compare_plain(d, dsid, *windows.get(i, start, end), start, end, path)
                     else:
                         if high_level is None:
                             high_level = h5py.File(fd_path(out_fd), "r")
@@ -240,7 +273,7 @@ def _open_output(plan: Plan) -> tuple[RunDir, int, h5f.FileID]:
         raise
 
 
-def file_digest(plan: Plan, file_index: int, windows: dict[int, OutputWindow]) -> str:
+def file_digest(plan: Plan, file_index: int, windows: Windows) -> str:
     """The digest of the output's rows of one file, as its scan digested the file's own.
 
     (:attr:`chkq.structure.FileScan.digest`: every dataset in name order,
@@ -250,10 +283,10 @@ def file_digest(plan: Plan, file_index: int, windows: dict[int, OutputWindow]) -
     digest = hashlib.sha256()
     for i, d in sorted(enumerate(plan.datasets), key=lambda item: item[1].name):
         start, end = d.rows_of(file_index)
-        window = windows.get(i)
-        if window is None or end == start:
+        if i not in windows or end == start:
             digest_rows(digest, d.name, end - start, [])
             continue
+        window = windows.get(i, start, end)[0]
         step = len(window.buffer)
         digest_rows(digest, d.name, end - start,
                     (window.rows(lo, min(end, lo + step)) for lo in range(start, end, step)))
