@@ -45,6 +45,10 @@ DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Create a new file; refuse anything (file or link) already at the name.
 CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
+#: A directory above the run, opened only to be passed through (``O_PATH``: it needs the
+#: right to search it, not to list it, like a path lookup; a link is still refused).
+_TRAVERSE = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
 _LINK_ERRORS = (errno.ELOOP, errno.ENOTDIR, errno.EMLINK)
 
 
@@ -79,11 +83,12 @@ def open_directory(path: str | Path) -> int:
     parts = [p for p in text.split("/") if p]
     if any(p in (".", "..") for p in parts):
         raise ValueError(f"directory {text!r} must not contain '.' or '..'")
-    fd = os.open("/", DIRECTORY)
+    fd = os.open("/", _TRAVERSE if parts else DIRECTORY)
     try:
         for index, part in enumerate(parts):
+            flags = DIRECTORY if index == len(parts) - 1 else _TRAVERSE
             try:
-                child = os.open(part, DIRECTORY, dir_fd=fd)
+                child = os.open(part, flags, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in _LINK_ERRORS:
                     raise _not_followed(text, "/" + "/".join(parts[:index + 1]), exc) from None
