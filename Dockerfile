@@ -10,8 +10,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # (build with --build-arg CHKQ_UID=$(id -u) to match the simulations' owner).
 ARG CHKQ_UID=1000
 ARG CHKQ_GID=1000
+# /runs exists in the image, owned by that user: a named volume mounted there (compose's
+# "runs") starts as a copy of it, so workers can write outputs into it.
 RUN groupadd --gid "${CHKQ_GID}" chkq \
-    && useradd --uid "${CHKQ_UID}" --gid "${CHKQ_GID}" --create-home --shell /usr/sbin/nologin chkq
+    && useradd --uid "${CHKQ_UID}" --gid "${CHKQ_GID}" --create-home --shell /usr/sbin/nologin chkq \
+    && install -d -o chkq -g chkq -m 0775 /runs
 
 WORKDIR /opt/chkq
 COPY pyproject.toml README.md ./

@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from chkq.errors import BadNameError
+
 
 def _refusal(path: str | Path, roots: Sequence[str], real: Path | None = None) -> PermissionError:
     shown = repr(str(path)) if real is None or str(real) == str(path) else \
@@ -54,9 +56,9 @@ def resolve_allowed(path: str | os.PathLike[str], roots: Sequence[str]) -> Path:
     """
     text = os.fspath(path)
     if "\x00" in text:
-        raise ValueError(f"path {text!r} contains a NUL byte")
+        raise BadNameError(f"path {text!r} contains a NUL byte")
     if not os.path.isabs(text):
-        raise ValueError(f"path {text!r} must be absolute")
+        raise BadNameError(f"path {text!r} must be absolute")
     real = Path(os.path.realpath(text))
     if roots and not _inside(real, roots):
         raise _refusal(text, roots, real)

@@ -31,10 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from chkq.errors import (  # noqa: F401 (re-exported)
+    AmbiguousParentError,
     CheckpointCorruptionError,
+    CheckpointNotFoundError,
     FileChangedError,
     NothingToRestoreError,
+    OutputExistsError,
     ParentNotCommittedError,
+    SourceNotFoundError,
 )
 from chkq.log import (
     CheckpointLog,
@@ -87,15 +91,15 @@ def read_stable(path: str | Path) -> tuple[bytes, int]:
     try:
         fd = os.open(path, READ_NONBLOCK)
     except FileNotFoundError:
-        raise FileNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
+        raise SourceNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
     except OSError as exc:
-        raise FileNotFoundError(
+        raise SourceNotFoundError(
             f"checkpoint file {str(path)!r} cannot be opened as a regular file: "
             f"{exc.strerror}") from None
     before = os.fstat(fd)
     if not stat.S_ISREG(before.st_mode):
         os.close(fd)
-        raise FileNotFoundError(f"checkpoint file {str(path)!r} is not a regular file")
+        raise SourceNotFoundError(f"checkpoint file {str(path)!r} is not a regular file")
     with open(fd, "rb", closefd=True) as fh:
         data = fh.read()
         after = os.fstat(fh.fileno())
@@ -116,11 +120,12 @@ def resolve_id(log: CheckpointLog, ref: str) -> str:
     if len(ref) == 64 and ref in log:
         return ref
     if len(ref) < 6:
-        raise KeyError(f"checkpoint id {ref!r} is too short (give at least 6 hex digits)")
+        raise CheckpointNotFoundError(
+            f"checkpoint id {ref!r} is too short (give at least 6 hex digits)")
     matches = [i for i in log.ids() if i.startswith(ref)]
     if len(matches) != 1:
         what = "no checkpoint" if not matches else f"{len(matches)} checkpoints"
-        raise KeyError(f"{what} of run {log.run_id!r} match id {ref!r}")
+        raise CheckpointNotFoundError(f"{what} of run {log.run_id!r} match id {ref!r}")
     return matches[0]
 
 
@@ -128,7 +133,7 @@ def single_head(log: CheckpointLog) -> str | None:
     """The run's one head (None for an empty run); ValueError if it has several."""
     heads = log.heads()
     if len(heads) > 1:
-        raise ValueError(
+        raise AmbiguousParentError(
             f"run {log.run_id!r} has {len(heads)} heads; name the parent with --parent ID"
         )
     return heads[0].id if heads else None
@@ -198,7 +203,7 @@ def _open_dir_at(fd: int, name: str, *, create: bool, shown: str) -> int:
         return os.open(name, _DIR_FLAGS, dir_fd=fd)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{shown!r} is a symbolic link or not a directory; not followed") from None
         raise
 
@@ -232,7 +237,7 @@ def _write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
             continue
         break
     else:
-        raise FileExistsError("could not create a temporary file")
+        raise OutputExistsError("could not create a temporary file")
     try:
         os.fchmod(fd, mode & 0o777)
         view = memoryview(data)
@@ -256,12 +261,12 @@ def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
         return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise FileExistsError(f"{shown!r} is a symbolic link; not overwritten") from None
+            raise OutputExistsError(f"{shown!r} is a symbolic link; not overwritten") from None
         raise
     digest = hashlib.sha256()
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise FileExistsError(f"{shown!r} exists and is not a regular file")
+            raise OutputExistsError(f"{shown!r} exists and is not a regular file")
         while block := fh.read(1 << 24):
             digest.update(block)
     return digest.hexdigest()
@@ -441,7 +446,7 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
             if _digest_at(dir_fd, parts[-1], str(target)) == entry.id:
                 result.kept.append(target)
                 return target
-            raise FileExistsError(
+            raise OutputExistsError(
                 f"{str(target)!r} exists with other content; not overwritten") from None
         finally:
             with contextlib.suppress(OSError):

@@ -18,6 +18,9 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
+from chkq.discovery import check_model_name, checkpoint_pattern
+from chkq.errors import OutputExistsError
+
 STR = h5py.string_dtype()
 
 
@@ -34,7 +37,8 @@ class RunShape:
         ``MODEL_chkNNNNN.h5``, otherwise as a directory of ``thread_NNNN.h5``.
     trials
         Trials (rows of ``galaxy/*``) per file; the last writer of every
-        directory checkpoint ran none when ``empty_writer`` is set.
+        directory checkpoint ran none when ``empty_writer`` is set (of
+        checkpoint ``empty_in`` only, when that is given).
     spec_columns
         Width of the ``spectra/spec`` dataset (float64).
     clusters_per_trial
@@ -55,6 +59,7 @@ class RunShape:
     fletcher32: bool = False
     chunk_rows: int = 256
     empty_writer: bool = True
+    empty_in: int | None = None
     nans: bool = True
     seed: int = 0
 
@@ -156,10 +161,44 @@ def make_run(out_dir: str | Path, model: str, shape: RunShape | None = None) -> 
         folder = directory / f"{model}_chk{number:05d}"
         folder.mkdir(exist_ok=True)
         for writer in range(shape.writers):
-            empty = shape.empty_writer and writer == shape.writers - 1 and shape.writers > 1
+            empty = (shape.empty_writer and writer == shape.writers - 1 and shape.writers > 1
+                     and shape.empty_in in (None, number))
             trials = 0 if empty else shape.trials
             path = folder / f"thread_{writer:04d}.h5"
             write_checkpoint_file(path, shape, trial, trials, number)
             trial += trials
             written.append(path)
     return written
+
+
+def write_demo(out_dir: str | Path, model: str = "demo", checkpoints: int = 4,
+               writers: int = 2, trials: int = 500) -> list[Path]:
+    """The run ``chkq demo`` writes: ``make_run`` into a directory that holds no such run.
+
+    Every thread file has trials, so that consolidating merges threads,
+    except the last thread of the first checkpoint, which ran none (a
+    thread with no work, as slug leaves when a run has more threads than
+    trials to give them).
+
+    Raises
+    ------
+    OutputExistsError
+        If ``out_dir`` already holds checkpoints of ``model`` or ``MODEL.h5``:
+        a demo never overwrites files.
+    BadNameError
+        If ``model`` cannot name files.
+    """
+    directory = Path(out_dir)
+    check_model_name(model)
+    if directory.is_dir():
+        pattern = checkpoint_pattern(model)
+        taken = sorted(e.name for e in directory.iterdir()
+                       if pattern.fullmatch(e.name) or e.name == f"{model}.h5")
+        if taken:
+            shown = ", ".join(taken[:3]) + (", ..." if len(taken) > 3 else "")
+            raise OutputExistsError(
+                f"{str(directory)!r} already holds a run of model {model!r} ({shown}); "
+                "chkq demo never overwrites files: choose another directory or --model")
+    shape = RunShape(checkpoints=checkpoints, writers=writers, trials=trials,
+                     empty_in=1 if checkpoints > 1 else None)
+    return make_run(directory, model, shape)

@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from chkq.errors import (
+    BadCheckpointError,
+    BadNameError,
+    CheckpointGapError,
+    RunNotADirectoryError,
+    RunNotFoundError,
+)
 from chkq.rundir import RunDir
 
 _BAD_MODEL = re.compile(r"[/\\\x00]")
@@ -43,9 +51,9 @@ def check_model_name(model: str) -> str:
     the run's directory.
     """
     if not isinstance(model, str) or not model or model in {".", ".."}:
-        raise ValueError(f"invalid model name {model!r}: it must be a non-empty file name")
+        raise BadNameError(f"invalid model name {model!r}: it must be a non-empty file name")
     if _BAD_MODEL.search(model) or ".." in model or model.startswith("."):
-        raise ValueError(
+        raise BadNameError(
             f"invalid model name {model!r}: it must not contain '/', '\\', '..', NUL "
             "or start with '.'"
         )
@@ -56,17 +64,17 @@ def check_out_dir(out_dir: str | Path) -> Path:
     """Return ``out_dir`` as an absolute path if it is an existing directory."""
     path = Path(out_dir).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"output directory {str(path)!r} does not exist")
+        raise RunNotFoundError(f"output directory {str(path)!r} does not exist")
     if not path.is_dir():
-        raise NotADirectoryError(f"output directory {str(path)!r} is not a directory")
+        raise RunNotADirectoryError(f"output directory {str(path)!r} is not a directory")
     return path.absolute()
 
 
 def _refuse_link(entry: os.DirEntry[str], folder: Path) -> None:
     if entry.is_symlink():
-        raise ValueError(f"checkpoint {str(folder / entry.name)!r} is a symbolic link: chkq "
-                         "does not follow links in a run directory (copy the checkpoint in "
-                         "instead)")
+        raise BadCheckpointError(
+            f"checkpoint {str(folder / entry.name)!r} is a symbolic link: chkq does not follow "
+            "links in a run directory (copy the checkpoint in instead)")
 
 
 def checkpoint_pattern(model: str) -> re.Pattern[str]:
@@ -129,3 +137,61 @@ def _listed(run: RunDir, directory: Path, pattern: re.Pattern[str]) -> list[Chec
                              if p.is_file(follow_symlinks=False))
             found.append(Checkpoint(number, folder, tuple(members)))
     return found
+
+
+def missing_numbers(checkpoints: Sequence[Checkpoint]) -> list[int]:
+    """Checkpoint numbers absent between the first and the last of ``checkpoints``.
+
+    Names alone cannot show a checkpoint missing before the first or after
+    the last one found.
+    """
+    present = {c.number for c in checkpoints}
+    if not present:
+        return []
+    return [n for n in range(min(present), max(present) + 1) if n not in present]
+
+
+def _ranges(numbers: list[int]) -> str:
+    """``00002, 00005-00007`` for [2, 5, 6, 7]."""
+    spans: list[list[int]] = []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a:05d}" if a == b else f"{a:05d}-{b:05d}" for a, b in spans)
+
+
+def check_numbering(checkpoints: Sequence[Checkpoint], model: str, *,
+                    allow_gaps: bool = False) -> str | None:
+    """Refuse a run whose checkpoint numbers have a gap; with ``allow_gaps``, describe it.
+
+    A checkpoint missing in the middle (deleted, never written, moved away)
+    would leave its rows out of the output without a word, and ``cleanup``
+    would then delete the others: the gap is refused unless the caller
+    accepts it.
+
+    Returns
+    -------
+    str or None
+        With ``allow_gaps``, a warning naming the missing numbers (None: no gap).
+
+    Raises
+    ------
+    CheckpointGapError
+        Naming the missing numbers, if there is a gap and ``allow_gaps`` is false.
+    """
+    missing = missing_numbers(checkpoints)
+    if not missing:
+        return None
+    where = str(checkpoints[0].path.parent)
+    first, last = checkpoints[0].number, checkpoints[-1].number
+    what = (f"checkpoint{'s' if len(missing) > 1 else ''} {_ranges(missing)} of model "
+            f"{model!r} {'are' if len(missing) > 1 else 'is'} missing in {where!r} (found "
+            f"{len(checkpoints)} between {first:05d} and {last:05d})")
+    them, their = ("them", "their") if len(missing) > 1 else ("it", "its")
+    if allow_gaps:
+        return f"{what}: consolidated without {them}"
+    raise CheckpointGapError(
+        f"{what}: {their} rows would be missing from the output; put {them} back, or accept "
+        "the gap with --allow-gaps (Python: allow_gaps=True)")

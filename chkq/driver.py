@@ -22,15 +22,18 @@ from chkq.verify_rows import digests_by_dataset, verify_files
 
 def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
                      block_bytes: int = DEFAULT_BLOCK_BYTES,
-                     task_bytes: int = DEFAULT_BLOCK_BYTES, task_files: int = 64) -> Path:
+                     task_bytes: int = DEFAULT_BLOCK_BYTES, task_files: int = 64,
+                     allow_gaps: bool = False) -> Path:
     """Consolidate ``model``'s checkpoints in ``out_dir`` here and now; return the output.
 
-    Raises what the job would (FileNotFoundError, FileExistsError,
-    ValueError...), having removed the job's temporaries.
+    Raises what the job would (subclasses of :class:`chkq.ChkqError`:
+    NoCheckpointsError, OutputExistsError, CheckpointGapError unless
+    ``allow_gaps``, BadCheckpointError...), having removed the job's
+    temporaries.
     """
     job_id = uuid.uuid4().hex
     plan = prepare(out_dir, model, job_id, cleanup=cleanup, block_bytes=block_bytes,
-                   task_bytes=task_bytes, task_files=task_files)
+                   task_bytes=task_bytes, task_files=task_files, allow_gaps=allow_gaps)
     try:
         copies = {unit: copy_unit(plan, unit).digests for unit in range(len(plan.copy_units))}
         merge_parts(plan)

@@ -19,7 +19,87 @@ class ChkqError(Exception):
 # ------------------------------------------------------------------ consolidation
 
 
-class CheckpointCorruptionError(ChkqError):
+class BadNameError(ChkqError, ValueError):
+    """A name cannot name what it must: a model, job id, path, run id, checkpoint name or
+    store URL with a separator, ``..``, NUL, no bucket, an unknown scheme..."""
+
+
+class RunNotFoundError(ChkqError, FileNotFoundError):
+    """The run's output directory does not exist."""
+
+
+class RunNotADirectoryError(ChkqError, NotADirectoryError):
+    """The run's output directory is not a directory."""
+
+
+class OutputExistsError(ChkqError, FileExistsError):
+    """``MODEL.h5`` exists (or appeared while the job ran): it is never overwritten.
+
+    Also raised when a job's temporary output was replaced by another file.
+    """
+
+
+class OutputNotWritableError(ChkqError, PermissionError):
+    """The output directory cannot be written (read-only filesystem, no permission)."""
+
+
+class OutputWriteError(ChkqError, OSError):
+    """Writing the output failed (e.g. the disk is full), naming the file and filesystem.
+
+    Keeps the ``errno`` of the failure (``ENOSPC``, ``EDQUOT``, ``EIO``...).
+    """
+
+
+class NoCheckpointsError(ChkqError, FileNotFoundError):
+    """The run directory holds no checkpoint of the model."""
+
+
+class CheckpointGapError(ChkqError, ValueError):
+    """Checkpoint numbers are missing between the first and the last one found."""
+
+
+class BadCheckpointError(ChkqError, ValueError):
+    """A checkpoint cannot be consolidated exactly, naming the file and object at fault.
+
+    Incomplete, unreadable or non-HDF5 files, files whose structure differs,
+    symbolic links, virtual or external datasets, a filter nothing decodes,
+    rows declared but not stored, references chkq cannot re-point.
+    """
+
+
+class BadMessageError(ChkqError, ValueError):
+    """A task message or a job record is malformed or names what its job does not."""
+
+
+class BadMessageTypeError(BadMessageError, TypeError):
+    """A task message's argument has the wrong type (also a TypeError, as Python's own)."""
+
+
+class JobStateGoneError(ChkqError, FileNotFoundError):
+    """A job's records or temporary output are gone (it failed, was cancelled, or expired)."""
+
+
+class JobNotFoundError(ChkqError, LookupError):
+    """No job with this id (or prefix) is in the result backend."""
+
+
+class JobFailedError(ChkqError, RuntimeError):
+    """A job failed with something that is not an exception (a malformed result)."""
+
+
+class WaitTimeoutError(ChkqError, TimeoutError):
+    """A job did not finish within the time its client waited (the job goes on)."""
+
+
+class EmbeddedClusterError(ChkqError, RuntimeError):
+    """The embedded cluster's worker or broker stopped while a job ran."""
+
+
+class ConfigurationError(ChkqError, ValueError):
+    """A setting (an environment variable) has a value chkq cannot use."""
+
+
+class CheckpointCorruptionError(ChkqError, ValueError):
     """Stored bytes do not match the checkpoint id they claim to rebuild.
 
     Raised by :class:`chkq.CheckpointLog` when a load rebuilds bytes whose
@@ -75,8 +155,24 @@ class FileChangedError(ChkqError, OSError):
     """A checkpoint file changed while it was read (it was still being written)."""
 
 
+class CheckpointNotFoundError(ChkqError, KeyError):
+    """No checkpoint of the run has this id (or none, or several, start with this prefix)."""
+
+
+class SourceNotFoundError(ChkqError, FileNotFoundError):
+    """A checkpoint file to commit does not exist here, or is not a regular file."""
+
+
 class ParentNotCommittedError(ChkqError, LookupError):
     """The parent named for a commit is not (yet) in the log."""
+
+
+class UnknownParentError(ParentNotCommittedError, ValueError):
+    """The parent named for a commit is no checkpoint of the run (also a ValueError)."""
+
+
+class AmbiguousParentError(ChkqError, ValueError):
+    """The run has several heads: the parent of a commit must be named."""
 
 
 class NothingToRestoreError(ChkqError, LookupError):

@@ -23,6 +23,7 @@ import os
 import stat
 from pathlib import Path
 
+from chkq.errors import BadMessageError, JobStateGoneError, OutputExistsError
 from chkq.naming import discard_job_files  # noqa: F401 (re-exported)
 from chkq.plan import Plan
 from chkq.rundir import DIRECTORY, RunDir
@@ -49,7 +50,7 @@ def link_output(plan: Plan) -> Path:
         except FileNotFoundError:
             if _is_ours(run, output, plan.temp_inode):
                 return output
-            raise FileNotFoundError(
+            raise JobStateGoneError(
                 f"the temporary output of job {plan.job_id} ({str(temp)!r}) is gone: "
                 "the job was cancelled or cleaned up") from None
         try:
@@ -58,7 +59,7 @@ def link_output(plan: Plan) -> Path:
                 _link_descriptor(run, fd, temp, output, plan.temp_inode)
             except FileExistsError:
                 if not _is_ours(run, output, plan.temp_inode):
-                    raise FileExistsError(
+                    raise OutputExistsError(
                         f"{str(output)!r} appeared while job {plan.job_id} ran; it was left "
                         "untouched and the job's output discarded") from None
         finally:
@@ -90,7 +91,7 @@ def _link_descriptor(run: RunDir, fd: int, temp: Path, output: Path, inode: int)
             follow_symlinks=False)
     if not _is_ours(run, output, inode):
         run.unlink(output)
-        raise FileExistsError(f"{str(temp)!r} was replaced by another file before it was linked")
+        raise OutputExistsError(f"{str(temp)!r} was replaced by another file before it was linked")
 
 
 def _is_ours(run: RunDir, output: Path, inode: int) -> bool:
@@ -117,7 +118,7 @@ def remove_checkpoints(plan: Plan) -> list[str]:
         for index, (path, *_stamp) in enumerate(plan.files):
             parts = Path(path).relative_to(run).parts
             if len(parts) not in (1, 2) or ".." in parts:
-                raise ValueError(f"checkpoint {path!r} is not inside the run directory")
+                raise BadMessageError(f"checkpoint {path!r} is not inside the run directory")
             folder = parts[0] if len(parts) == 2 else ""
             by_dir.setdefault(folder, []).append((parts[-1], plan.stamp(index)))
         for folder, members in by_dir.items():

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from pathlib import Path
 
+from chkq.errors import OutputNotWritableError, OutputWriteError
 from chkq.rundir import CREATE
 
 
@@ -58,3 +60,91 @@ def write_durably(path: Path, data: bytes | str, *, exclusive: bool = False) -> 
     finally:
         temp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+#: errno values that mean "this filesystem cannot take the output": full, over quota,
+#: read-only, file too large.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+def _mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, filesystem type) of ``path``, from /proc/self/mountinfo if readable."""
+    real = os.path.realpath(path)
+    best, kind = "/", "unknown"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                fstype = fields[fields.index("-") + 1]
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fstype
+    except OSError:
+        pass
+    return best, kind
+
+
+def _size(count: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "bytes" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def describe_filesystem(path: Path) -> str:
+    """The filesystem holding ``path``, for error messages: type, mount point, free space."""
+    point, kind = _mount_of(path)
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return f"filesystem {kind} mounted at {point!r}"
+    free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+    mode = ", read-only" if fs.f_flag & os.ST_RDONLY else ""
+    return (f"filesystem {kind} mounted at {point!r}{mode}: {_size(free)} free of "
+            f"{_size(total)}")
+
+
+def check_writable_dir(directory: Path, what: str, *, as_this_user: bool = True) -> None:
+    """Refuse a directory chkq could not write its output into, before any work starts.
+
+    A read-only filesystem is refused whoever writes; with ``as_this_user``
+    (the writer is this process's user), so is a directory this user may
+    not create files in.
+
+    Raises
+    ------
+    OutputNotWritableError
+        Naming the directory and its filesystem.
+    """
+    try:
+        readonly = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        readonly = False
+    if readonly:
+        raise OutputNotWritableError(
+            f"{what} {str(directory)!r} is on a read-only file system "
+            f"({describe_filesystem(directory)}): the output cannot be written there")
+    if as_this_user and not os.access(directory, os.W_OK | os.X_OK):
+        raise OutputNotWritableError(
+            f"{what} {str(directory)!r} is not writable by this user (uid {os.geteuid()}): "
+            "the output cannot be written there")
+
+
+def write_failure(directory: Path, exc: OSError, file: Path | None = None) -> OutputWriteError:
+    """``exc`` (a full disk, a quota, a read-only remount) restated with the file and filesystem.
+
+    HDF5's own message names neither and spreads over several lines; its
+    first sentence is kept.
+    """
+    named = exc.filename or file or directory
+    detail = " ".join(str(exc.strerror or exc).split())
+    detail = detail.split(" (file write failed")[0][:200]
+    reason = os.strerror(exc.errno) if exc.errno else "write failed"
+    said = "" if detail.lower() in ("", reason.lower()) else f"; {detail}"
+    return OutputWriteError(
+        exc.errno or errno.EIO,
+        f"cannot write {str(named)!r}: {reason} ({describe_filesystem(directory)}){said}")

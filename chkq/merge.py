@@ -22,6 +22,7 @@ from h5py import h5r, h5t
 
 from chkq import vlen
 from chkq.copy_rows import open_output_fd, open_source
+from chkq.errors import BadCheckpointError
 from chkq.plan import DatasetPlan, Plan
 from chkq.rowio import block_rows
 from chkq.rundir import READ, RunDir, fd_path
@@ -147,8 +148,9 @@ def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str,
         return ref
     path = source[ref].name
     if not path or path not in out:
-        raise ValueError(f"a reference in dataset '/{name}' of {str(shown or source.filename)!r} "
-                         f"points to an object the output does not have ({path!r})")
+        raise BadCheckpointError(
+            f"a reference in dataset '/{name}' of {str(shown or source.filename)!r} points to "
+            f"an object the output does not have ({path!r})")
     if isinstance(ref, h5py.RegionReference):
         region = h5r.get_region(ref, source.id)
         return h5r.create(out.id, path.encode(), h5r.DATASET_REGION, region)

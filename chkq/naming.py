@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.discovery import check_model_name
+from chkq.errors import BadNameError
 from chkq.rundir import RunDir
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ _JOB_ID = re.compile(r"[0-9a-f]{8,32}")
 def check_job_id(job_id: str) -> str:
     """Return ``job_id`` if it is a plain hex id (it becomes part of file names)."""
     if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
-        raise ValueError(f"invalid job id {job_id!r}: expected 8 to 32 lowercase hex digits")
+        raise BadNameError(f"invalid job id {job_id!r}: expected 8 to 32 lowercase hex digits")
     return job_id
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chkq.errors import BadMessageError
 from chkq.naming import JobFiles
 from chkq.rundir import RunDir
 from chkq.stamps import FileStamp
@@ -177,7 +178,7 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         raw = json.loads(text)
         if raw.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan version {raw.get('version')!r} is not {PLAN_VERSION}")
+            raise BadMessageError(f"plan version {raw.get('version')!r} is not {PLAN_VERSION}")
         raw["datasets"] = [DatasetPlan(**d) for d in raw["datasets"]]
         raw["copy_units"] = [CopyUnit(**u) for u in raw["copy_units"]]
         libver = raw.get("libver", ["earliest", "latest"])

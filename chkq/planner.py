@@ -16,7 +16,15 @@ from typing import Any
 
 from h5py import h5a, h5d, h5f, h5o, h5t
 
-from chkq.discovery import Checkpoint, check_model_name, check_out_dir, find_checkpoints
+from chkq.discovery import (
+    Checkpoint,
+    check_model_name,
+    check_numbering,
+    check_out_dir,
+    find_checkpoints,
+)
+from chkq.errors import BadCheckpointError, BadMessageError, NoCheckpointsError, OutputExistsError
+from chkq.fsutil import check_writable_dir
 from chkq.h5types import describe_type, element_count, has_reference
 from chkq.naming import JobFiles
 from chkq.plan import (
@@ -63,7 +71,7 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
             tid = dsid.get_type()
             if has_reference(tid) and (tid.get_class() != h5t.REFERENCE
                                        or not _classic_references(tid)):
-                raise ValueError(
+                raise BadCheckpointError(
                     f"extensible dataset '/{name}' of {str(reference)!r} holds references "
                     f"inside a {describe_type(tid)} type, or of a kind chkq cannot re-point")
             shape = dsid.shape
@@ -97,7 +105,7 @@ def check_memory(scans: list[FileScan], block_bytes: int) -> None:
     for scan in scans:
         need, name = scan.memory
         if need > hold:
-            raise ValueError(
+            raise BadCheckpointError(
                 f"dataset '/{name}' of checkpoint file {str(scan.path)!r} needs {need} bytes "
                 f"in memory at once (one row, or one chunk's rows when filtered), more than "
                 f"a task may hold (CHKQ_BLOCK_BYTES={block_bytes}): raise CHKQ_BLOCK_BYTES "
@@ -127,8 +135,9 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
             need = attr.get_type().get_size() * attr.get_space().get_simple_extent_npoints()
             if need > hold:
                 label = attr.name.decode("utf-8", "surrogateescape")
-                raise ValueError(f"attribute {label!r} of '/{name}' in {where} holds {need} "
-                                 f"bytes, more than a task may hold (CHKQ_BLOCK_BYTES="
+                raise BadCheckpointError(
+                    f"attribute {label!r} of '/{name}' in {where} holds {need} "
+                    f"bytes, more than a task may hold (CHKQ_BLOCK_BYTES="
                                  f"{block_bytes})")
         if kind != h5o.TYPE_DATASET:
             continue
@@ -138,8 +147,9 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
         if dcpl.get_layout() == h5d.CHUNKED and dcpl.get_nfilters():
             need = size * element_count(dcpl.get_chunk())
         if need > hold:
-            raise ValueError(f"dataset '/{name}' of {where} needs {need} bytes in memory at "
-                             "once (one element, or one chunk when filtered), more than a task "
+            raise BadCheckpointError(
+                f"dataset '/{name}' of {where} needs {need} bytes in memory at "
+                "once (one element, or one chunk when filtered), more than a task "
                              f"may hold (CHKQ_BLOCK_BYTES={block_bytes})")
 
 
@@ -169,25 +179,33 @@ class ScannedFile:
     stamp: FileStamp
 
 
-def find_run(directory: Path, model: str, run: RunDir | None = None) -> list[Checkpoint]:
-    """The run's checkpoints, each holding at least one file (``run``: the directory, open).
+def find_run(directory: Path, model: str, run: RunDir | None = None, *,
+             allow_gaps: bool = False) -> list[Checkpoint]:
+    """The run's checkpoints, each holding at least one file, with no gap in their numbers.
+
+    ``run``: the directory, already open (planning reads the run through one descriptor).
 
     Raises
     ------
-    FileNotFoundError
-        If the run has no checkpoints.
-    ValueError
-        If a checkpoint directory holds no ``.h5`` file.
+    NoCheckpointsError
+        If the run has no checkpoints (a FileNotFoundError).
+    CheckpointGapError
+        If numbers are missing between the first and last checkpoint and
+        ``allow_gaps`` is false (a ValueError).
+    BadCheckpointError
+        If a checkpoint directory holds no ``.h5`` file (a ValueError).
     """
     checkpoints = find_checkpoints(directory, model, run)
     if not checkpoints:
-        raise FileNotFoundError(
+        raise NoCheckpointsError(
             f"no checkpoints of model {model!r} in {str(directory)!r} "
             f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)"
         )
     for checkpoint in checkpoints:
         if not checkpoint.files:
-            raise ValueError(f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
+            raise BadCheckpointError(
+                f"checkpoint directory {str(checkpoint.path)!r} holds no .h5 file")
+    check_numbering(checkpoints, model, allow_gaps=allow_gaps)
     return checkpoints
 
 
@@ -241,7 +259,7 @@ def scans_from_record(record: Any) -> list[ScannedFile]:
                             (int(mode), int(uid), int(gid)))
             scanned.append(ScannedFile(scan, FileStamp(*(int(x) for x in stamp))))
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as exc:
-        raise ValueError(f"malformed scan record: {exc}") from None
+        raise BadMessageError(f"malformed scan record: {exc}") from None
     return scanned
 
 
@@ -256,7 +274,7 @@ def checkpoints_from_record(record: Any) -> list[Checkpoint]:
         return [Checkpoint(int(number), Path(path), tuple(Path(f) for f in files))
                 for number, path, files in record]
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"malformed checkpoint record: {exc}") from None
+        raise BadMessageError(f"malformed checkpoint record: {exc}") from None
 
 
 def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
@@ -271,7 +289,7 @@ def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
     """
     job = JobFiles(Path(os.path.realpath(check_out_dir(out_dir))), check_model_name(model), job_id)
     if os.path.lexists(job.output):
-        raise FileExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
+        raise OutputExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
     return job
 
 
@@ -317,7 +335,8 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     return scanned
 
 
-def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list[FileScan]]:
+def discover_and_scan(out_dir: Path, model: str, *, allow_gaps: bool = False
+                      ) -> tuple[list[Checkpoint], list[FileScan]]:
     """Find the run's checkpoints and scan every file here, refusing a bad run.
 
     For a check before a job is sent: the files' rows are not digested.
@@ -328,7 +347,7 @@ def discover_and_scan(out_dir: Path, model: str) -> tuple[list[Checkpoint], list
         As :func:`find_run`, or if a file is incomplete, unreadable, not
         HDF5, or differs in structure.
     """
-    checkpoints = find_run(out_dir, model)
+    checkpoints = find_run(out_dir, model, allow_gaps=allow_gaps)
     scans = [scan_file(path, digest=False) for path in run_files(checkpoints)]
     check_same_structure(scans)
     return checkpoints, scans
@@ -352,12 +371,14 @@ def prepare(
     task_bytes: int = DEFAULT_BLOCK_BYTES,
     task_files: int = 64,
     run: tuple[list[Checkpoint], list[ScannedFile]] | None = None,
+    allow_gaps: bool = False,
 ) -> Plan:
     """Check the run, create the output skeleton under a temporary name, return the plan.
 
     ``run`` is the run's checkpoints and their files' scans when other
     processes scanned them (:func:`scan_files` on slices of
-    :func:`run_files`); without it, the run is found and scanned here.
+    :func:`run_files`); without it, the run is found and scanned here, and
+    a gap in its checkpoint numbers is refused unless ``allow_gaps``.
 
     Raises
     ------
@@ -372,12 +393,13 @@ def prepare(
     job = job_files(out_dir, model, job_id)
     with RunDir.open(job.out_dir, exact=True) as rundir:
         if run is None:
-            checkpoints = find_run(job.out_dir, model, rundir)
+            checkpoints = find_run(job.out_dir, model, rundir, allow_gaps=allow_gaps)
             scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
         else:
             checkpoints, scanned = run
             if [s.scan.path for s in scanned] != run_files(checkpoints):
-                raise ValueError(f"the scans of job {job_id} do not match its checkpoint files")
+                raise BadMessageError(
+                    f"the scans of job {job_id} do not match its checkpoint files")
         scans = [s.scan for s in scanned]
         check_same_structure(scans)
         check_memory(scans, block_bytes)
@@ -389,6 +411,7 @@ def prepare(
             datasets = describe_template(reference, names,
                                          {n: offsets_of(n, scans) for n in names},
                                          block_bytes, template)
+            check_writable_dir(job.out_dir, "output directory")
             rundir.unlink(job.temp)
             layout, inode, bounds = create_skeleton(
                 job.temp, reference,

@@ -19,6 +19,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s
 
+from chkq.errors import FileChangedError
+
 
 def block_rows(row_bytes: int, block_bytes: int) -> int:
     """Rows per block so that one block holds at most ``block_bytes`` (at least one row)."""
@@ -146,7 +148,7 @@ class ByteCopier:
                 self.kernel = False
                 break
             if done <= 0:
-                raise OSError(errno.EIO, f"short copy: source ended at offset {offset_in}")
+                raise FileChangedError(errno.EIO, f"short copy: source ended at offset {offset_in}")
             offset_in, offset_out, count = offset_in + done, offset_out + done, count - done
         if count > 0:
             self._copy_user(fd_in, offset_in, fd_out, offset_out, count)
@@ -159,7 +161,7 @@ class ByteCopier:
         while count > 0:
             got = os.preadv(fd_in, [view[:min(count, COPY_PIECE)]], offset_in)
             if got <= 0:
-                raise OSError(errno.EIO, f"short read: source ended at offset {offset_in}")
+                raise FileChangedError(errno.EIO, f"short read: source ended at offset {offset_in}")
             piece = view[:got]
             while piece:
                 written = os.pwrite(fd_out, piece, offset_out)

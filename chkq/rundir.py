@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 
 from chkq.access import resolve_allowed
-from chkq.errors import CheckpointChangedError, SymlinkInRunError
+from chkq.errors import BadNameError, CheckpointChangedError, SymlinkInRunError
 
 #: Open an existing file for reading; refuse a link at the name.
 READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -79,10 +79,10 @@ def open_directory(path: str | Path) -> int:
     """
     text = os.fspath(path)
     if not os.path.isabs(text):
-        raise ValueError(f"directory {text!r} must be an absolute path")
+        raise BadNameError(f"directory {text!r} must be an absolute path")
     parts = [p for p in text.split("/") if p]
     if any(p in (".", "..") for p in parts):
-        raise ValueError(f"directory {text!r} must not contain '.' or '..'")
+        raise BadNameError(f"directory {text!r} must not contain '.' or '..'")
     fd = os.open("/", _TRAVERSE if parts else DIRECTORY)
     try:
         for index, part in enumerate(parts):
@@ -211,11 +211,11 @@ class RunDir:
         if os.path.isabs(text):
             base = os.fspath(self.path).rstrip("/") + "/"
             if not text.startswith(base):
-                raise ValueError(f"{text!r} is not inside the run directory {str(self.path)!r}")
+                raise BadNameError(f"{text!r} is not inside the run directory {str(self.path)!r}")
             text = text[len(base):]
         parts = tuple(text.split("/"))
         if any(p in ("", ".", "..") for p in parts) or "\x00" in text:
-            raise ValueError(f"{os.fspath(path)!r} is not a plain name inside the run "
+            raise BadNameError(f"{os.fspath(path)!r} is not a plain name inside the run "
                              f"directory {str(self.path)!r}")
         return parts[:-1], parts[-1]
 
@@ -310,7 +310,7 @@ class RunDir:
         """Rename ``source`` over ``target``, both in the run directory itself."""
         (s_folders, s_name), (t_folders, t_name) = self.split(source), self.split(target)
         if s_folders or t_folders:
-            raise ValueError(f"{os.fspath(source)!r} and {os.fspath(target)!r} must be in the "
+            raise BadNameError(f"{os.fspath(source)!r} and {os.fspath(target)!r} must be in the "
                              "run directory itself")
         os.rename(s_name, t_name, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
@@ -323,7 +323,7 @@ class RunDir:
         """
         folders, name = self.split(target)
         if folders:
-            raise ValueError(f"{os.fspath(target)!r} must be in the run directory itself")
+            raise BadNameError(f"{os.fspath(target)!r} must be in the run directory itself")
         os.link(fd_path(fd), name, dst_dir_fd=self.fd, follow_symlinks=True)
 
     def listdir(self) -> list[str]:

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from chkq.errors import CheckpointChangedError
+from chkq.errors import BadCheckpointError, CheckpointChangedError
 from chkq.rundir import RunDir
 
 
@@ -49,10 +49,10 @@ def stamp_of(path: str | Path, st: os.stat_result) -> FileStamp:
         If ``st`` is of a symbolic link or not of a regular file.
     """
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
+        raise BadCheckpointError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
                          "in a run directory")
     if not stat.S_ISREG(st.st_mode):
-        raise ValueError(f"{str(path)!r} is not a regular file")
+        raise BadCheckpointError(f"{str(path)!r} is not a regular file")
     return FileStamp.of(st)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... w
 import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5s, h5t, h5z
 
-from chkq.errors import CheckpointChangedError
+from chkq.errors import BadCheckpointError, CheckpointChangedError
 from chkq.h5types import element_count, is_variable, type_key
 from chkq.rowio import digest_rows
 from chkq.rundir import fd_path
@@ -106,8 +107,8 @@ def open_checkpoint_id(path: Path, fd: int | None = None) -> h5f.FileID:
     try:
         fid = h5f.open(os.fsencode(path if fd is None else fd_path(fd)), h5f.ACC_RDONLY)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ValueError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or unreadable "
-                         f"({exc})") from None
+        raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or "
+                                 f"unreadable ({exc})") from None
     if fd is not None:
         try:
             check_same_file(path, fd, fid.get_vfd_handle())
@@ -230,10 +231,10 @@ def refuse_outside_storage(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
     """
     where = f"dataset '/{name}' of checkpoint file {str(path)!r}"
     if dcpl.get_layout() == h5d.VIRTUAL:
-        raise ValueError(f"{where} is a virtual dataset (its data lives in other files): "
+        raise BadCheckpointError(f"{where} is a virtual dataset (its data lives in other files): "
                          "chkq does not consolidate virtual datasets")
     if dcpl.get_external_count() > 0:
-        raise ValueError(f"{where} stores its data in external files: chkq does not "
+        raise BadCheckpointError(f"{where} stores its data in external files: chkq does not "
                          "consolidate external storage")
 
 
@@ -243,8 +244,9 @@ def check_filters(path: Path, name: str, dcpl: h5p.PropDCID) -> None:
         code, _flags, _values, label = dcpl.get_filter(index)
         if not h5z.filter_avail(code):
             text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
-            raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} uses filter "
-                             f"{code} ({text or 'unnamed'}), which no installed plugin can "
+            raise BadCheckpointError(
+                f"dataset '/{name}' of checkpoint file {str(path)!r} uses filter "
+                f"{code} ({text or 'unnamed'}), which no installed plugin can "
                              "decode")
 
 
@@ -295,7 +297,7 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
 
     dsid.chunk_iter(record)
     if held > stored * (MAX_FILTER_RATIO if dcpl.get_nfilters() else 1):
-        raise ValueError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
+        raise BadCheckpointError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
                          f"{held} bytes in chunks that store only {stored} bytes: the file "
                          "is damaged or forged")
     return size * element_count(shape) - held
@@ -396,7 +398,7 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
     fid = open_checkpoint_id(path, fd)
     try:
         if not h5a.exists(fid, COMPLETE_ATTR.encode()):
-            raise ValueError(
+            raise BadCheckpointError(
                 f"checkpoint file {str(path)!r} is incomplete: its root has no "
                 f"{COMPLETE_ATTR!r} attribute (still being written, or left by a crash)"
             )
@@ -414,7 +416,7 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                         space.get_simple_extent_dims(True) if space.shape else ())
                     extensible = any(m == h5s.UNLIMITED for m in maxdims)
                     if extensible and maxdims[0] != h5s.UNLIMITED:
-                        raise ValueError(
+                        raise BadCheckpointError(
                             f"dataset '/{name}' of checkpoint file {str(path)!r} is "
                             "unlimited along another axis than the first: chkq "
                             "concatenates rows along the first axis only")
@@ -439,14 +441,14 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                     else:
                         scan.objects[name] = "fixed"
             if unwritten > UNWRITTEN_SLACK:
-                raise ValueError(
+                raise BadCheckpointError(
                     f"dataset '/{worst[1]}' of checkpoint file {str(path)!r} declares "
                     f"{worst[2]} rows, {worst[0]} bytes of them in chunks the file does not "
                     f"store (at most {UNWRITTEN_SLACK} bytes of rows may be unwritten in a "
                     "file, all datasets together): the file is damaged or forged")
             scan.digest = _small_file_digest(extensible_types) if digest else ""
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
-            raise ValueError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
+            raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None
     finally:
         fid.close()
     return scan
@@ -457,6 +459,17 @@ def describe(kind: str) -> str:
     if kind.startswith("extensible "):
         return "extensible dataset"
     return "group" if kind == "group" else "fixed dataset"
+
+
+_TYPE_DIGEST = re.compile(r"#[0-9a-f]{12}\b")
+
+
+def readable_kind(kind: str) -> str:
+    """An extensible dataset's type and row shape as people read them, e.g. ``float64 (16,)``.
+
+    The digest that makes types compare exactly (see ``type_key``) is left out.
+    """
+    return _TYPE_DIGEST.sub("", kind.removeprefix("extensible "))
 
 
 def differences(reference: FileScan, other: FileScan) -> list[str]:
@@ -470,11 +483,15 @@ def differences(reference: FileScan, other: FileScan) -> list[str]:
         if kind == theirs or (kind == "fixed" and theirs == "fixed"):
             continue
         if kind.startswith("extensible ") and theirs.startswith("extensible "):
-            found.append(
-                f"extensible dataset {name!r} has type/trailing shape "
-                f"{theirs.removeprefix('extensible ')!r}, expected "
-                f"{kind.removeprefix('extensible ')!r}"
-            )
+            mine, other_kind = readable_kind(kind), readable_kind(theirs)
+            if mine == other_kind:
+                found.append(
+                    f"extensible dataset {name!r} has type and row shape {other_kind} as "
+                    "expected, but another HDF5 encoding of that type (byte order, padding, "
+                    "string padding or character set)")
+            else:
+                found.append(f"extensible dataset {name!r} has type and row shape "
+                             f"{other_kind}, expected {mine}")
         else:
             found.append(f"{name!r} is a {describe(theirs)}, expected a {describe(kind)}")
     for name, kind in other.objects.items():
@@ -492,7 +509,7 @@ def check_same_structure(scans: list[FileScan]) -> None:
             shown = "; ".join(found[:MAX_LISTED_DIFFERENCES])
             more = len(found) - MAX_LISTED_DIFFERENCES
             tail = f" (and {more} more)" if more > 0 else ""
-            raise ValueError(
+            raise BadCheckpointError(
                 f"checkpoint file {str(scan.path)!r} differs in structure from "
                 f"{str(reference.path)!r}: {shown}{tail}"
             )

@@ -1,60 +1,186 @@
 """kombu's Redis transport, made to survive a Redis restart (celery/kombu 5.7).
 
-When the connection to Redis is lost, Celery closes it and later acks or
-rejects the messages of tasks that were running. On the closed channel
-kombu can no longer build a Redis client (``AttributeError: 'NoneType'
-object has no attribute 'hostname'``), which Celery treats as
-unrecoverable: the worker stays alive but never consumes again. Here an
-operation on a channel whose connection is gone is skipped with a warning:
-the message is still in Redis's unacknowledged index, and the restore sweep
-delivers it again after the visibility timeout; chkq's tasks are idempotent.
+When the connection to Redis is lost, Celery closes it, terminates the
+steps that were running (``worker_cancel_long_running_tasks_on_connection_loss``)
+and later acks or rejects the messages of tasks that ended. Two things go
+wrong in kombu 5.7:
+
+- On the closed channel kombu can no longer build a Redis client
+  (``AttributeError: 'NoneType' object has no attribute 'hostname'``),
+  which Celery treats as unrecoverable: the worker stays alive but never
+  consumes again.
+- The closed channel's unacknowledged messages cannot be restored then
+  (Redis is down), so they stay in Redis's unacknowledged index until the
+  visibility timeout (an hour by default) hands them back: the job waits
+  that long with no task running, its temporaries in the run directory.
+
+Here a channel that lost its connection hands its unacknowledged messages
+to :class:`Orphans`, the worker process's record of them: what became of
+each (acked, rejected, or nothing yet) is settled through a live channel
+once the worker has reconnected. A message whose task is over (terminated
+at the connection loss, failed, or never started) goes back to its queue
+at once; one whose task finished is acknowledged; one still held by a
+request, or whose pool process has not exited yet, waits until it has, so
+a task is never handed back while it runs.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 from kombu.transport import redis
 
 log = logging.getLogger("chkq.worker")
 
+#: Seconds between two attempts to settle orphaned messages while any are left.
+SETTLE_INTERVAL = 1.0
+
+RESTORE, ACK, REQUEUE = "restore", "ack", "requeue"
+
 
 def _lost(channel: Any) -> bool:
     return bool(channel.closed) or getattr(channel.connection, "client", None) is None
 
 
+def _requests() -> dict[Any, int | None]:
+    """Delivery tag -> pool process id of the requests this worker runs or holds."""
+    from celery.worker import state
+
+    found: dict[Any, int | None] = {}
+    for request in (*state.active_requests, *state.reserved_requests):
+        tag = getattr(getattr(request, "message", None), "delivery_tag", None)
+        if tag is not None:
+            found[tag] = getattr(request, "worker_pid", None)
+    return found
+
+
+def _alive(pid: int | None) -> bool:
+    """True while process ``pid`` exists and is not a zombie."""
+    if not pid:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Orphans:
+    """Unacknowledged messages of channels that lost their connection, and what to do.
+
+    One per worker process (module attribute :data:`ORPHANS`); every
+    channel of the transport registers with it, and a live one settles
+    the orphans: ``restore`` (nothing heard of its task: back to the queue
+    once no request holds it), ``ack`` (its task ended: removed),
+    ``requeue`` (rejected with requeue: back to the queue at the front).
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[Any, str] = {}
+        self.pids: dict[Any, int | None] = {}
+        self.channels: weakref.WeakSet[Channel] = weakref.WeakSet()
+
+    def adopt(self, tags: list[Any]) -> None:
+        """Keep ``tags``, with the pool process running each (Celery terminates those next)."""
+        running = _requests()
+        for tag in tags:
+            self.pending.setdefault(tag, RESTORE)
+            self.pids[tag] = running.get(tag)
+
+    def settled(self, tag: Any, action: str) -> None:
+        """The task of ``tag`` ended (``ack``/``requeue``) on a lost channel."""
+        self.pending[tag] = action
+        self.settle()
+
+    def _live(self) -> Channel | None:
+        for channel in list(self.channels):
+            if not _lost(channel):
+                return channel
+        return None
+
+    def settle(self) -> None:
+        """Settle every orphan no request holds, through a live channel (if there is one)."""
+        if not self.pending:
+            return
+        channel = self._live()
+        if channel is None:
+            return
+        held = _requests()
+        for tag, action in list(self.pending.items()):
+            if tag in held or _alive(self.pids.get(tag)):
+                continue
+            try:
+                if action == ACK:
+                    channel.qos._remove_from_indices(tag).execute()
+                else:
+                    channel.qos.restore_by_tag(tag, client=channel.client,
+                                               leftmost=action == REQUEUE)
+            except channel.connection.connection_errors as exc:
+                log.warning("message %s not settled yet (%r): trying again", tag, exc)
+                return
+            del self.pending[tag]
+            self.pids.pop(tag, None)
+            if action == ACK:
+                log.info("message %s of a lost connection acknowledged", tag)
+            else:
+                log.warning("message %s of a lost connection handed back to its queue", tag)
+
+
+ORPHANS = Orphans()
+
+
 class QoS(redis.QoS):
-    """Redis QoS whose ack, reject and restore skip a channel that lost its connection."""
+    """Redis QoS that hands a lost channel's unacknowledged messages to :data:`ORPHANS`."""
 
     def ack(self, delivery_tag: Any) -> None:
         if _lost(self.channel):
-            log.warning("message %s not acknowledged: its broker connection was lost; Redis "
-                        "delivers it again after the visibility timeout", delivery_tag)
+            ORPHANS.settled(delivery_tag, ACK)
             return
         super().ack(delivery_tag)
 
     def reject(self, delivery_tag: Any, requeue: bool = False) -> None:
         if _lost(self.channel):
-            log.warning("message %s not rejected: its broker connection was lost", delivery_tag)
+            ORPHANS.settled(delivery_tag, REQUEUE if requeue else ACK)
             return
         super().reject(delivery_tag, requeue=requeue)
 
     def restore_unacked(self, client: Any = None) -> None:
         if client is None and _lost(self.channel):
-            log.warning("unacknowledged messages left to the restore sweep: the broker "
-                        "connection was lost")
+            tags = list(self._delivered)
+            self._delivered.clear()
+            if tags:
+                log.warning("%d unacknowledged messages of a lost broker connection kept: "
+                            "handed back once the worker has reconnected and their tasks "
+                            "have stopped", len(tags))
+            ORPHANS.adopt(tags)
             return
         super().restore_unacked(client)
 
 
 class Channel(redis.Channel):
-    """Redis channel using :class:`QoS`."""
+    """Redis channel using :class:`QoS`, registered with :data:`ORPHANS`."""
 
     QoS = QoS
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ORPHANS.channels.add(self)
+
 
 class Transport(redis.Transport):
-    """Redis transport using :class:`Channel` (``broker_transport`` of the chkq app)."""
+    """Redis transport using :class:`Channel` (``broker_transport`` of the chkq app).
+
+    In a worker's event loop it also settles orphaned messages every
+    :data:`SETTLE_INTERVAL` seconds (nothing to do, nothing done).
+    """
 
     Channel = Channel
+
+    def register_with_event_loop(self, connection: Any, loop: Any) -> None:
+        super().register_with_event_loop(connection, loop)
+        old = getattr(self, "_settle_tref", None)
+        if old is not None:
+            old.cancel()
+        self._settle_tref = loop.call_repeatedly(SETTLE_INTERVAL, ORPHANS.settle)

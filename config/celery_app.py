@@ -48,10 +48,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.broker_url or "redis://127.0.0.1:6379/0"
     return {
         "broker_url": broker,
-        "broker_transport": "chkq.config.broker_transport:Transport",
         "result_backend": settings.result_backend or broker,
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": settings.broker_transport_options(),
+        **broker_config(settings),
         "result_backend_transport_options": {"visibility_timeout": settings.visibility_timeout},
         "task_serializer": "json",
         "result_serializer": "json",
@@ -69,13 +68,40 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_track_started": True,
         "task_send_sent_event": True,
         "worker_send_task_events": True,
-        "task_queues": task_queues(),
+        "task_queues": task_queues(quorum=settings.broker_is_amqp),
         "task_default_queue": CONTROL_QUEUE,
         "task_routes": TASK_ROUTES,
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_consumer": "chkq.config.consumer:GuardedConsumer",
         **signing_config(settings),
+    }
+
+
+def broker_config(settings: Settings) -> dict[str, Any]:
+    """The settings that differ between a Redis and a RabbitMQ broker.
+
+    Redis: chkq's transport (:mod:`chkq.config.broker_transport`) with its
+    visibility timeout and restore sweep. RabbitMQ: kombu's py-amqp
+    transport with publisher confirms (a task is sent once the broker has
+    it, or the sender gets an error), heartbeats (a silent peer's
+    connection is closed and its unacknowledged tasks handed back within
+    about two heartbeats), and quorum queues (:func:`task_queues`), whose
+    prefetch is per consumer: Celery's quorum detection turns global QoS
+    off. Countdowns (a commit waiting for its parent) are held by the worker
+    until due, as on Redis: chkq's queues use direct exchanges, which
+    Celery's native delayed delivery does not serve.
+    """
+    if not settings.broker_is_amqp:
+        return {
+            "broker_transport": "chkq.config.broker_transport:Transport",
+            "broker_transport_options": settings.broker_transport_options(),
+        }
+    return {
+        "broker_transport_options": {"confirm_publish": True},
+        "broker_heartbeat": settings.broker_heartbeat or None,
+        "task_default_queue_type": "quorum",
+        "worker_detect_quorum_queues": True,
     }
 
 

@@ -34,6 +34,18 @@ class GuardedConsumer(Consumer):
     line instead of stopping the worker.
     """
 
+    class Blueprint(Consumer.Blueprint):
+        """Celery's consumer steps but native delayed delivery.
+
+        On quorum queues Celery would declare 28 delay exchanges and queues
+        and bind chkq's queues to them; chkq's queues use direct exchanges,
+        which that scheme cannot serve (it only warns), and chkq's only
+        countdowns are seconds long, held by the worker until due.
+        """
+
+        default_steps = [step for step in Consumer.Blueprint.default_steps
+                         if not step.endswith(":DelayedDelivery")]
+
     def create_task_handler(self, *args: Any, **kwargs: Any) -> Callable[[Any], Any]:
         handler = super().create_task_handler(*args, **kwargs)
         accepted = prepare_accept_content(self.app.conf.accept_content)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from chkq.errors import ConfigurationError
+
 #: Key of the app configuration that holds the worker's ``(hard, soft)`` limits in seconds.
 CONF_KEY = "chkq_time_limits"
 
@@ -79,5 +81,5 @@ def worker_limits(conf: Any) -> tuple[float, float]:
     limits = conf.get(CONF_KEY)
     if not (isinstance(limits, list | tuple) and len(limits) == 2
             and all(_positive(v) is not None for v in limits)):
-        raise RuntimeError(f"the app's configuration has no valid {CONF_KEY!r}: {limits!r}")
+        raise ConfigurationError(f"the app's configuration has no valid {CONF_KEY!r}: {limits!r}")
     return float(limits[0]), float(limits[1])

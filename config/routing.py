@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from kombu import Queue
 
+from chkq.errors import ConfigurationError
+
 CONTROL_QUEUE = "chkq.control"
 COPY_QUEUE = "chkq.copy"
 VERIFY_QUEUE = "chkq.verify"
@@ -30,9 +32,18 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
 }
 
 
-def task_queues() -> list[Queue]:
-    """The kombu queues chkq declares, one per kind of work."""
-    return [Queue(name, routing_key=name) for name in QUEUES]
+def task_queues(quorum: bool = False) -> list[Queue]:
+    """The kombu queues chkq declares, one per kind of work.
+
+    With ``quorum`` (the broker is RabbitMQ) they are durable quorum queues:
+    replicated across the RabbitMQ cluster's nodes, and a message goes back
+    to its queue as soon as the connection of the consumer holding it
+    closes. Every client and worker declares them alike (RabbitMQ refuses a
+    queue declared again with other arguments).
+    """
+    arguments = {"x-queue-type": "quorum"} if quorum else None
+    return [Queue(name, routing_key=name, durable=True, queue_arguments=arguments)
+            for name in QUEUES]
 
 
 def resolve_queues(spec: str | None) -> list[str]:
@@ -51,6 +62,6 @@ def resolve_queues(spec: str | None) -> list[str]:
         name = SHORT_NAMES.get(part, part)
         if name not in QUEUES:
             known = ", ".join(sorted(SHORT_NAMES))
-            raise ValueError(f"unknown queue {part!r}: chkq's queues are {known}")
+            raise ConfigurationError(f"unknown queue {part!r}: chkq's queues are {known}")
         names.append(name)
     return names

@@ -30,10 +30,12 @@ that a signed body can never be fed to another decoder.
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chkq.config.settings import Settings
+from chkq.errors import ConfigurationError
 
 #: What the job-record key is derived for (HKDF's ``info``): a key for nothing else.
 RECORD_KEY_INFO = b"chkq job records v1"
@@ -66,11 +68,27 @@ def signing_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _why_unreadable(path: str) -> str:
+    """What an administrator needs to fix an unreadable secret: it is missing, or whose it is."""
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        return ("it does not exist: the secrets directory (CHKQ_SECRETS in compose.yaml, "
+                "./secrets by default) must hold chkq.key, chkq.pem and trusted/")
+    except OSError as exc:
+        return str(exc.strerror)
+    return (f"it is owned by uid {found.st_uid} (gid {found.st_gid}) with mode "
+            f"{stat.filemode(found.st_mode)}: make it readable by uid {os.geteuid()}, e.g. "
+            "chown it to the workers' user (CHKQ_UID in compose.yaml)")
+
+
 def _read(path: str, what: str) -> str:
     try:
         return Path(path).read_text()
     except OSError as exc:
-        raise ValueError(f"cannot read the {what} {path!r}: {exc.strerror}") from None
+        raise ConfigurationError(
+            f"cannot read the {what} {path!r} as uid {os.geteuid()} ({exc.strerror}): "
+            f"{_why_unreadable(path)}") from None
 
 
 def install_signing(app: Celery, settings: Settings) -> None:
@@ -102,14 +120,14 @@ def install_signing(app: Celery, settings: Settings) -> None:
     cert_pem = _read(settings.security_certificate, "certificate (CHKQ_SECURITY_CERTIFICATE)")
     store_path = settings.security_cert_store
     if not os.path.isdir(store_path) or not os.listdir(store_path):
-        raise ValueError(f"CHKQ_SECURITY_CERT_STORE {store_path!r} must be a directory "
+        raise ConfigurationError(f"CHKQ_SECURITY_CERT_STORE {store_path!r} must be a directory "
                          "holding the PEM certificates of the trusted signers")
     try:
         key, cert, store = PrivateKey(key_pem), Certificate(cert_pem), FSCertStore(store_path)
     except (SecurityError, ValueError, TypeError, OSError) as exc:
-        raise ValueError(f"message signing is misconfigured: {exc}") from None
+        raise ConfigurationError(f"message signing is misconfigured: {exc}") from None
     if key._key.public_key().public_numbers() != cert.get_pubkey().public_numbers():
-        raise ValueError("CHKQ_SECURITY_KEY does not match CHKQ_SECURITY_CERTIFICATE")
+        raise ConfigurationError("CHKQ_SECURITY_KEY does not match CHKQ_SECURITY_CERTIFICATE")
     app.setup_security(allowed_serializers=["json"], digest=DIGEST, serializer="json")
     strict = StrictSecureSerializer(key, cert, store, DIGEST, serializer="json")
     registry.register("auth", strict.serialize, strict.deserialize,

@@ -11,7 +11,21 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from chkq.errors import ConfigurationError
+
 MiB = 1024 * 1024
+
+#: URL schemes of RabbitMQ brokers (kombu's py-amqp transport) and of Redis.
+AMQP_SCHEMES: tuple[str, ...] = ("amqp", "amqps", "pyamqp")
+REDIS_SCHEMES: tuple[str, ...] = ("redis", "rediss", "unix", "redis+socket")
+
+
+def broker_scheme(url: str | None) -> str | None:
+    """The scheme of a broker or backend URL (``amqp`` of ``amqp://h/v``), or None."""
+    if not url:
+        return None
+    scheme, sep, _ = url.partition("://")
+    return scheme.lower() if sep else None
 
 
 def _int(name: str, default: int) -> int:
@@ -21,7 +35,7 @@ def _int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -31,11 +45,12 @@ class Settings:
     Attributes
     ----------
     broker_url
-        Redis URL of the broker (``CHKQ_BROKER_URL``); None selects the
-        embedded local cluster.
+        URL of the broker (``CHKQ_BROKER_URL``): Redis (``redis://``) or
+        RabbitMQ (``amqp://``); None selects the embedded local cluster.
     result_backend
-        Redis URL of the result backend (``CHKQ_RESULT_BACKEND``), defaulting
-        to the broker.
+        Redis URL of the result backend (``CHKQ_RESULT_BACKEND``), where job
+        state lives, defaulting to the broker; required when the broker is
+        RabbitMQ.
     block_bytes
         Bytes of rows a task holds in memory at once (``CHKQ_BLOCK_BYTES``,
         default 64 MiB).
@@ -80,6 +95,14 @@ class Settings:
         signatures workers accept). All three or none: when set, task and
         remote-control messages are signed and unsigned ones refused
         (:mod:`chkq.config.security`); off when unset.
+    broker_heartbeat
+        AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
+        used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the
+        connection of a peer silent for about twice this long, handing its
+        unacknowledged tasks to other workers at once, and a worker cut off
+        from the broker notices as fast. 0 turns heartbeats off (a node lost
+        without closing its sockets then holds its tasks until TCP gives up,
+        up to hours).
     """
 
     broker_url: str | None = None
@@ -97,6 +120,8 @@ class Settings:
     security_key: str | None = None
     security_certificate: str | None = None
     security_cert_store: str | None = None
+    # Several nodes: the broker's kind and how a lost peer is noticed.
+    broker_heartbeat: int = 20
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -119,6 +144,7 @@ class Settings:
             security_key=os.environ.get("CHKQ_SECURITY_KEY") or None,
             security_certificate=os.environ.get("CHKQ_SECURITY_CERTIFICATE") or None,
             security_cert_store=os.environ.get("CHKQ_SECURITY_CERT_STORE") or None,
+            broker_heartbeat=_int("CHKQ_BROKER_HEARTBEAT", cls.broker_heartbeat),
         )
         settings.check()
         return settings
@@ -126,24 +152,51 @@ class Settings:
     def check(self) -> None:
         """Refuse settings that would make tasks run twice at once or loop."""
         if self.block_bytes < 1:
-            raise ValueError("CHKQ_BLOCK_BYTES must be positive")
+            raise ConfigurationError("CHKQ_BLOCK_BYTES must be positive")
         if self.task_bytes < 1 or self.task_files < 1:
-            raise ValueError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
+            raise ConfigurationError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
         if not 0 < self.soft_time_limit <= self.time_limit:
-            raise ValueError("CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
+            raise ConfigurationError(
+                "CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
         if self.restore_interval < 0:
-            raise ValueError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
+            raise ConfigurationError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
         if self.visibility_timeout <= self.time_limit:
-            raise ValueError(
+            raise ConfigurationError(
                 "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
                 "running would be delivered again and run twice at once"
             )
+        self.check_broker()
         security = (self.security_key, self.security_certificate, self.security_cert_store)
         if any(security) and not all(security):
-            raise ValueError(
+            raise ConfigurationError(
                 "message signing needs all of CHKQ_SECURITY_KEY, CHKQ_SECURITY_CERTIFICATE "
                 "and CHKQ_SECURITY_CERT_STORE (or none of them)"
             )
+
+    @property
+    def broker_is_amqp(self) -> bool:
+        """True when the broker is RabbitMQ (an ``amqp://``/``amqps://``/``pyamqp://`` URL)."""
+        return broker_scheme(self.broker_url) in AMQP_SCHEMES
+
+    def check_broker(self) -> None:
+        """Refuse a broker and result backend chkq cannot run on.
+
+        Job state lives in the result backend's Redis (one ``MGET`` per status,
+        Lua for chords, counters of deliveries), so with RabbitMQ as the broker
+        the result backend must be named and must be Redis.
+        """
+        scheme = broker_scheme(self.broker_url)
+        if scheme is not None and scheme not in AMQP_SCHEMES + REDIS_SCHEMES:
+            raise ValueError(f"CHKQ_BROKER_URL must be a redis:// or amqp:// URL, not {scheme}://")
+        if self.broker_heartbeat < 0:
+            raise ValueError("CHKQ_BROKER_HEARTBEAT must be 0 (off) or a number of seconds")
+        if scheme in AMQP_SCHEMES:
+            backend = broker_scheme(self.result_backend)
+            if backend not in REDIS_SCHEMES:
+                raise ValueError(
+                    "CHKQ_RESULT_BACKEND must be a Redis URL (redis://, rediss:// or "
+                    "unix://) when CHKQ_BROKER_URL is RabbitMQ: job state is kept in Redis"
+                    + (f", not {backend}://" if backend else ", and it is not set"))
 
     @property
     def signing(self) -> bool:

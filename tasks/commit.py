@@ -31,6 +31,7 @@ from chkq.commits import (
     read_stable,
 )
 from chkq.config.celery_app import get_app, get_settings
+from chkq.errors import BadMessageError, BadMessageTypeError
 from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
@@ -70,14 +71,14 @@ def _optional(value: Any, kind: type | tuple[type, ...], what: str) -> None:
     """Refuse an argument of the wrong JSON type (bool is not an int here)."""
     if value is not None and (not isinstance(value, kind) or
                               (isinstance(value, bool) and kind is int)):
-        raise TypeError(f"commit {what} must be {getattr(kind, '__name__', kind)}, "
+        raise BadMessageTypeError(f"commit {what} must be {getattr(kind, '__name__', kind)}, "
                         f"got {type(value).__name__}")
 
 
 def _check_id(value: str | None, what: str) -> None:
     _optional(value, str, what)
     if value is not None and not _ID.fullmatch(value):
-        raise ValueError(f"commit {what} {value!r} is not a checkpoint id (64 hex digits)")
+        raise BadMessageError(f"commit {what} {value!r} is not a checkpoint id (64 hex digits)")
 
 
 def checkpoint_source(path: Any) -> Path:
@@ -92,11 +93,11 @@ def checkpoint_source(path: Any) -> Path:
         ``CHKQ_ALLOWED_ROOTS``.
     """
     if not isinstance(path, str):
-        raise TypeError(f"commit path must be a string, got {type(path).__name__}")
+        raise BadMessageTypeError(f"commit path must be a string, got {type(path).__name__}")
     if "\x00" in path:
-        raise ValueError(f"commit path {path!r} contains a NUL byte")
+        raise BadMessageError(f"commit path {path!r} contains a NUL byte")
     if not Path(path).is_absolute():
-        raise ValueError(f"commit path {path!r} must be absolute (shared storage)")
+        raise BadMessageError(f"commit path {path!r} must be absolute (shared storage)")
     return resolve_allowed(path, get_settings().allowed_roots)
 
 
@@ -142,7 +143,8 @@ def commit(
     _optional(name, str, "name")
     _optional(model, str, "model")
     if not isinstance(parent_head, bool):
-        raise TypeError(f"commit parent_head must be bool, got {type(parent_head).__name__}")
+        raise BadMessageTypeError(
+            f"commit parent_head must be bool, got {type(parent_head).__name__}")
     meta: dict[str, Any] = {}
     if name is not None:
         meta["name"] = check_relative_name(name)

@@ -40,9 +40,16 @@ from celery.exceptions import Ignore, TaskRevokedError
 from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.copy_rows import copy_unit
-from chkq.discovery import Checkpoint, check_model_name, check_out_dir
-from chkq.errors import UnprovenJobError  # noqa: F401 (re-exported)
+from chkq.discovery import Checkpoint, check_model_name, check_numbering, check_out_dir
+from chkq.errors import (
+    BadMessageError,
+    BadMessageTypeError,
+    ChkqError,
+    JobStateGoneError,
+    UnprovenJobError,  # noqa: F401 (re-exported)
+)
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
+from chkq.fsutil import WRITE_ERRNOS, write_failure
 from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
 from chkq.output_check import check_plan_output
@@ -87,7 +94,7 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     allowed roots; every later path derives from the resolved directory.
     """
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
-        raise ValueError(f"output directory {out_dir!r} must be an absolute path")
+        raise BadMessageError(f"output directory {out_dir!r} must be an absolute path")
     check_allowed(out_dir, get_settings().allowed_roots)
     directory = check_out_dir(os.path.realpath(out_dir))
     return directory, check_model_name(model), check_job_id(job)
@@ -102,7 +109,7 @@ def _stop_if_cancelled(job: str) -> None:
 def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
     """``unit`` if it is an int naming one of the job's ``count`` units, else ValueError."""
     if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < count:
-        raise ValueError(f"job {job} has no {kind} unit {unit!r}")
+        raise BadMessageError(f"job {job} has no {kind} unit {unit!r}")
     return unit
 
 
@@ -170,7 +177,9 @@ def job_step(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any
     cancelled job stops; the delivery is counted (a message that keeps
     killing its worker fails its job); one log line is written when the step
     starts and one when it ends, with what it worked on and what it did
-    (the body's result). The body gets the resolved directory.
+    (the body's result). The body gets the resolved directory. A write that
+    fails for want of space (or a filesystem turned read-only) is restated
+    naming the file and the filesystem.
     """
     @functools.wraps(body)
     def step(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
@@ -179,7 +188,13 @@ def job_step(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any
         _stop_if_cancelled(job)
         self.check_deliveries()
         with Timer(self.name, job, model=model, **_what(args, kwargs)) as timer:
-            result = body(self, str(directory), model, job, *args, **kwargs)
+            try:
+                result = body(self, str(directory), model, job, *args, **kwargs)
+            except OSError as exc:
+                if exc.errno in WRITE_ERRNOS and not isinstance(exc, ChkqError):
+                    raise write_failure(directory, exc,
+                                        JobFiles(directory, model, job).temp) from None
+                raise
             timer.result = {k: v for k, v in result.items() if isinstance(v, str | int | float)}
         return result
     return step
@@ -197,32 +212,37 @@ def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         if key in kwargs:
             value = kwargs[key]
             if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-                raise TypeError(f"task argument {key} must be a list of names, got {value!r}")
+                raise BadMessageTypeError(
+                    f"task argument {key} must be a list of names, got {value!r}")
             what[key] = ",".join(value)
     if "rows" in kwargs and (isinstance(kwargs["rows"], bool)
                              or not isinstance(kwargs["rows"], int)):
-        raise TypeError(f"task argument rows must be an integer, got {kwargs['rows']!r}")
+        raise BadMessageTypeError(f"task argument rows must be an integer, got {kwargs['rows']!r}")
     return what
 
 
 @get_app().task(name="chkq.plan", bind=True, base=ChkqTask)
 @job_step
 def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
-             cleanup: bool = False) -> dict[str, Any]:
+             cleanup: bool = False, allow_gaps: bool = False) -> dict[str, Any]:
     """Check the run, write the skeleton, record the plan, and launch the copies.
 
     A run of more than ``SCAN_FILES`` files is first scanned by scan units
     in parallel: this step replaces itself with them, and runs again (same
-    id) as their chord's callback.
+    id) as their chord's callback. A gap in the checkpoint numbers is
+    refused unless ``allow_gaps``.
     """
     if not isinstance(cleanup, bool):
-        raise TypeError(f"cleanup must be true or false, got {cleanup!r}")
+        raise BadMessageTypeError(f"cleanup must be true or false, got {cleanup!r}")
+    if not isinstance(allow_gaps, bool):
+        raise BadMessageTypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
     plan = protocol.recorded_plan(job)
     if plan is None:
         plan = protocol.store_plan(prepare(
             out_dir, model, job, cleanup=cleanup, block_bytes=get_settings().block_bytes,
             task_bytes=get_settings().task_bytes, task_files=get_settings().task_files,
-            run=_scanned_run(self, out_dir, model, job, cleanup),
+            run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps),
+            allow_gaps=allow_gaps,
         ))
     launch_copies(plan)
     return {
@@ -237,8 +257,8 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     }
 
 
-def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
-                 cleanup: bool) -> tuple[list[Checkpoint], list[ScannedFile]] | None:
+def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bool,
+                 allow_gaps: bool = False) -> tuple[list[Checkpoint], list[ScannedFile]] | None:
     """The run's checkpoints and every file's scan, as the scan units recorded them.
 
     None for a run small enough to scan in the planning step itself. For a
@@ -249,7 +269,10 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
     if recorded is None:
         job_files(out_dir, model, job)
         with RunDir.open(out_dir, exact=True) as run:
-            checkpoints = find_run(Path(out_dir), model, run)
+            checkpoints = find_run(Path(out_dir), model, run, allow_gaps=allow_gaps)
+        gap = check_numbering(checkpoints, model, allow_gaps=True)
+        if gap:
+            log.warning("job=%s %s (allowed by its submitter)", job, gap)
         if len(run_files(checkpoints)) <= SCAN_FILES:
             return None
         recorded = protocol.record_run(job, out_dir, model, checkpoints_to_record(checkpoints))
@@ -258,12 +281,12 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
     units = scan_units(len(paths))
     records = protocol.scanned(job, len(units))
     if records is not None:
-        now = find_run(Path(out_dir), model)
+        now = find_run(Path(out_dir), model, allow_gaps=allow_gaps)
         if now != checkpoints:
             changed = next((str(a.path) for a, b in zip(now, checkpoints, strict=False)
                             if a != b), str((now if len(now) > len(checkpoints)
                                              else checkpoints)[-1].path))
-            raise ValueError(f"the checkpoints recorded for job {job} are not the run's as it "
+            raise BadMessageError(f"the checkpoints recorded for job {job} are not the run's as it "
                              f"is now (first difference: {changed!r}): the run changed while it "
                              "was scanned, or the record is not the job's own; nothing was "
                              "written")
@@ -276,7 +299,8 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str,
             task_id=task_id(job, "scan", i))
         for i, (first, stop) in enumerate(units)
     ]
-    body = plan_job.si(out_dir, model, job, cleanup=cleanup)
+    body = plan_job.si(out_dir, model, job, cleanup=cleanup,
+                       **({"allow_gaps": True} if allow_gaps else {}))
     raise task.replace(chord(group(scans).set(task_id=task_id(job, "scans")), body))
 
 
@@ -292,7 +316,7 @@ def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
     if cached is None or cached[:2] != (out_dir, model):
         recorded = protocol.recorded_run(job, out_dir, model)
         if recorded is None:
-            raise FileNotFoundError(
+            raise JobStateGoneError(
                 f"consolidation job {job} has no recorded checkpoints to scan")
         cached = _RUN_FILES[job] = (out_dir, model,
                                     run_files(_checked_run(recorded, out_dir, model, job)))

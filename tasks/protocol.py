@@ -61,7 +61,13 @@ from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.security import record_key
 from chkq.discovery import Checkpoint, checkpoint_pattern
-from chkq.errors import ChkqError
+from chkq.errors import (
+    BadMessageError,
+    BadNameError,
+    ChkqError,
+    JobNotFoundError,
+    JobStateGoneError,
+)
 from chkq.naming import check_job_id
 from chkq.plan import Plan
 from chkq.stamps import FileStamp
@@ -104,10 +110,18 @@ def fail_signature(out_dir: str, model: str, job: str) -> Any:
     return signature("chkq.fail", args=(out_dir, model, job), app=get_app())
 
 
-def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool) -> Any:
-    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback."""
+def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool,
+                            allow_gaps: bool = False) -> Any:
+    """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback.
+
+    ``allow_gaps`` travels only when set, so that the message of an ordinary
+    job is the one every worker version accepts.
+    """
+    kwargs: dict[str, bool] = {"cleanup": cleanup}
+    if allow_gaps:
+        kwargs["allow_gaps"] = True
     return signature(
-        "chkq.plan", args=(out_dir, model, job), kwargs={"cleanup": cleanup}, app=get_app()
+        "chkq.plan", args=(out_dir, model, job), kwargs=kwargs, app=get_app()
     ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job)])
 
 
@@ -302,7 +316,7 @@ def check_recorded_path(path: Any, out_dir: str, model: str, what: str) -> Path:
         good = (len(parts) == 2 and first.group(2) is None and parts[1].endswith(".h5")
                 and not parts[1].startswith("."))
     if not good:
-        raise ValueError(f"{what} names {path!r}, which is not a checkpoint file of model "
+        raise BadMessageError(f"{what} names {path!r}, which is not a checkpoint file of model "
                          f"{model!r} in {out_dir!r}: refused")
     return Path(text)
 
@@ -327,7 +341,7 @@ def check_recorded_checkpoints(checkpoints: list[Checkpoint], out_dir: str, mode
                 and (files == [whole] if whole else all(f.parent == checkpoint.path
                                                         for f in files)))
         if not good:
-            raise ValueError(f"{what} holds checkpoint {checkpoint.number!r} at "
+            raise BadMessageError(f"{what} holds checkpoint {checkpoint.number!r} at "
                              f"{str(checkpoint.path)!r} with files {[str(f) for f in files]}, "
                              f"which is not a checkpoint of model {model!r} in {out_dir!r}: "
                              "refused")
@@ -338,25 +352,25 @@ def _check_plan_paths(plan: Plan, job: str) -> Plan:
     """``plan`` if every path it names is one of its run's checkpoints (ValueError if not)."""
     what = f"the plan of job {job} ({_key(job, 'plan')})"
     if plan.job_id != job:
-        raise ValueError(f"{what} is the plan of job {plan.job_id!r}: refused")
+        raise BadMessageError(f"{what} is the plan of job {plan.job_id!r}: refused")
     if not isinstance(plan.out_dir, str) or os.path.realpath(plan.out_dir) != plan.out_dir:
-        raise ValueError(f"{what} names a run directory {plan.out_dir!r} that is not resolved: "
-                         "refused")
+        raise BadMessageError(
+            f"{what} names a run directory {plan.out_dir!r} that is not resolved: refused")
     check_allowed(plan.out_dir, get_settings().allowed_roots)
     try:
         named = {str(check_recorded_path(f[0], plan.out_dir, plan.model, what))
                  for f in plan.files}
     except (TypeError, IndexError):
-        raise ValueError(f"{what} lists files malformed: refused") from None
+        raise BadMessageError(f"{what} lists files malformed: refused") from None
     if plan.reference_file not in named:
-        raise ValueError(f"{what} names a template {plan.reference_file!r} that is not one of "
+        raise BadMessageError(f"{what} names a template {plan.reference_file!r} that is not one of "
                          "its files: refused")
     for entry in plan.checkpoints:
         folder = entry[1] if isinstance(entry, list) and len(entry) == 3 else None
         if not isinstance(folder, str) or os.path.normpath(folder) != folder or \
                 not (Path(folder).parent == Path(plan.out_dir)
                      and checkpoint_pattern(plan.model).fullmatch(Path(folder).name)):
-            raise ValueError(f"{what} names checkpoint {entry!r}, which is not one of model "
+            raise BadMessageError(f"{what} names checkpoint {entry!r}, which is not one of model "
                              f"{plan.model!r} in {plan.out_dir!r}: refused")
     return plan
 
@@ -423,7 +437,7 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
     """
     plan = recorded_plan(job)
     if plan is None:
-        raise FileNotFoundError(f"consolidation job {job} has no recorded plan: it failed, "
+        raise JobStateGoneError(f"consolidation job {job} has no recorded plan: it failed, "
                                 "was cancelled, or its records expired")
     _check_target(job, (out_dir, model), (plan.out_dir, plan.model))
     return plan
@@ -432,7 +446,7 @@ def load_plan(job: str, out_dir: str, model: str) -> Plan:
 def _check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) -> None:
     """Refuse a message that names another directory and model than the job's records."""
     if named != recorded:
-        raise ValueError(f"the message for job {job} names {named[0]!r}/{named[1]!r}, but the "
+        raise BadMessageError(f"the message for job {job} names {named[0]!r}/{named[1]!r}, but the "
                          f"job consolidates {recorded[0]!r}/{recorded[1]!r}")
 
 
@@ -819,10 +833,10 @@ def resolve_job(text: str) -> str:
         return text
     found = find_jobs(text)
     if not found:
-        raise LookupError(f"no job {text}... in the result backend (never submitted, or "
+        raise JobNotFoundError(f"no job {text}... in the result backend (never submitted, or "
                           "expired)")
     if len(found) > 1:
-        raise ValueError(f"job id prefix {text} is ambiguous: it starts "
+        raise BadNameError(f"job id prefix {text} is ambiguous: it starts "
                          + ", ".join(found[:5]) + ("..." if len(found) > 5 else ""))
     return found[0]
 
@@ -874,7 +888,7 @@ def job_status(job: str) -> JobStatus:
     plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
     plan = plan if isinstance(plan, dict) else None
     if not info and plan_meta is None and link_meta is None:
-        raise LookupError(f"no job {job} in the result backend (never submitted, or expired)")
+        raise JobNotFoundError(f"no job {job} in the result backend (never submitted, or expired)")
 
     steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
     for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -114,3 +118,36 @@ def corrupt_chunk(path: Path, dataset: str) -> None:
         byte = fh.read(1)
         fh.seek(info.byte_offset + info.size // 2)
         fh.write(bytes([byte[0] ^ 0xFF]))
+
+
+class Lease:
+    """A write lease held on a file (see :func:`write_lease`)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def waited_on(self) -> bool:
+        """True once another process waits in ``open`` for this lease to go."""
+        return fcntl.fcntl(self.fd, fcntl.F_GETLEASE) != fcntl.F_WRLCK
+
+
+@contextlib.contextmanager
+def write_lease(path: Path) -> Iterator[Lease]:
+    """Hold a write lease on ``path``: another process's ``open`` of it blocks until released.
+
+    What makes a job wait for the test, whatever the machine's speed. Taken
+    when no other process has the file open (else OSError), it holds the
+    next opener in ``open`` until the lease is released, or at most
+    ``/proc/sys/fs/lease-break-time`` seconds (45 by default). The lease
+    break's SIGIO is ignored meanwhile.
+    """
+    previous = signal.signal(signal.SIGIO, signal.SIG_IGN)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        yield Lease(fd)
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+        signal.signal(signal.SIGIO, previous)

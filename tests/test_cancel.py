@@ -9,6 +9,7 @@ a job cancelled while it runs stops, and its temporaries go.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
-from tests.helpers import snapshot
+from tests.helpers import snapshot, wait_for, write_lease
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 TIMEOUT = 120.0
@@ -40,10 +41,13 @@ def chkq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=TIMEOUT)
 
 
-def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def start_worker(env: dict[str, str], log: Path, queues: str | None = None,
+                 name: str = "w") -> subprocess.Popen[bytes]:
+    argv = ["worker", "-c", "2", "-n", f"{name}{os.getpid()}@localhost"]
+    if queues is not None:
+        argv += ["-Q", queues]
     with open(log, "wb") as out:
-        return subprocess.Popen(CLI + ["worker", "-c", "2", "-n", f"w{os.getpid()}@localhost"],
-                                env=env, stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.Popen(CLI + argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
 
 
@@ -123,39 +127,56 @@ def test_no_worker_is_announced_and_interrupt_says_how_to_cancel(
 
 def test_cancel_stops_a_running_job_and_removes_its_temporaries(
         broker: dict[str, str], tmp_path: Path) -> None:
+    """The job is held running, whatever the machine's speed: its copy step waits in
+    ``open`` on a checkpoint the test holds a lease on, taken once planning is over and
+    before any worker serves the copy queue."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    # fletcher32 keeps the copy on HDF5's own zlib (chkq.deflate_chunks leaves it alone),
-    # with small blocks: slow enough for the job to be cancelled while it copies.
     make_run(run_dir, "run", RunShape(checkpoints=4, writers=2, trials=3000, spec_columns=256,
                                       compression="gzip", shuffle=True, fletcher32=True))
+    held = run_dir / "run_chk00001" / "thread_0000.h5"
     before = snapshot(run_dir)
     env = {**broker, "CHKQ_BLOCK_BYTES": str(64 * 1024)}
-    worker = start_worker(env, tmp_path / "worker.log")
+    worker = start_worker(env, tmp_path / "worker.log", "control,verify", "control")
+    copier: subprocess.Popen[bytes] | None = None
     try:
+        wait_for(lambda: b" ready." in (tmp_path / "worker.log").read_bytes(), 60,
+                 "the control worker to be ready")
         client = subprocess.Popen(CLI + ["consolidate", "run", "--out-dir", str(run_dir)],
                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         deadline = time.monotonic() + 60
-        while not any(p.name.startswith(".chkq-") and ".part" in p.name
-                      for p in run_dir.iterdir()):
+        while not any(p.name.startswith(".chkq-") for p in run_dir.iterdir()):
             assert time.monotonic() < deadline and client.poll() is None, client.poll()
             time.sleep(0.05)
         job = next(p.name for p in run_dir.iterdir() if p.name.startswith(".chkq-"))
         job = job.removeprefix(".chkq-").split(".")[0]
-        cancelled = chkq(env, "cancel", job)
+        while json.loads(chkq(env, "status", job, "--json").stdout)["phase"] != "copying":
+            assert time.monotonic() < deadline and client.poll() is None, client.poll()
+            time.sleep(0.1)
+        with write_lease(held) as lease:
+            copier = start_worker(env, tmp_path / "copier.log", "copy", "copy")
+            while not lease.waited_on():
+                assert time.monotonic() < deadline and copier.poll() is None, copier.poll()
+                time.sleep(0.05)
+            cancelled = chkq(env, "cancel", job)
         assert cancelled.returncode == 0, cancelled.stderr
         assert re.match(rf"cancelled job {job}: \d+ queued tasks removed, [1-9]\d* running "
                         r"tasks stopped, \d+ temporary files removed", cancelled.stdout), \
             cancelled.stdout
         out, err = client.communicate(timeout=60)
         assert client.returncode == 1
-        assert err == f"error: job {job} was cancelled (chkq cancel)\n", err
+        lines = err.splitlines()
+        assert lines[-1] == f"error: job {job} was cancelled (chkq cancel)", err
+        # Until the copy worker started, the client was right to say none served its queue.
+        assert all(line.startswith("warning: no worker serves queue chkq.copy, ")
+                   for line in lines[:-1]), err
         assert out == ""
-        time.sleep(2)
-        assert snapshot(run_dir) == before
+        wait_for(lambda: snapshot(run_dir) == before, 15, "the temporaries to go")
         status = chkq(env, "status", job)
         assert "CANCELLED" in status.stdout
-        assert worker.poll() is None, "the worker survives a cancel"
+        assert worker.poll() is None and copier.poll() is None, "workers survive a cancel"
     finally:
         stop(worker)
+        if copier is not None:
+            stop(copier)

@@ -181,7 +181,8 @@ def test_extensible_dataset_with_another_dtype_or_width(tmp_path: Path) -> None:
     make_run(tmp_path / "other", "run", RunShape(checkpoints=1, trials=10, spec_columns=17))
     shutil.move(tmp_path / "other" / "run_chk00001.h5", tmp_path / "run_chk00002.h5")
     shutil.rmtree(tmp_path / "other")
-    refused(tmp_path, ValueError, r"run_chk00002.h5.*'spectra/spec' has type/trailing shape")
+    refused(tmp_path, ValueError, r"run_chk00002.h5.*'spectra/spec' has type and row shape "
+            r"float64 \(17,\), expected float64 \(16,\)$")
 
 
 def test_fixed_datasets_may_differ_and_the_final_one_is_kept(tmp_path: Path) -> None:

@@ -254,9 +254,9 @@ def test_status_names_the_failing_plan_and_its_error(cluster: Cluster, tmp_path:
     assert shown.returncode == 1
     assert f"job {job}: FAILURE" in shown.stdout
     assert f"failed task: {job}-plan" in shown.stdout
-    assert re.search(r"reason: ValueError: .*run_chk00003\.h5", shown.stdout), shown.stdout
-    assert re.fullmatch(rf"error: job {job} failed in {job}-plan: ValueError: .*run_chk00003"
-                        r"\.h5.*\n", shown.stderr), shown.stderr
+    assert re.search(r"reason: BadCheckpointError: .*run_chk00003\.h5", shown.stdout), shown.stdout
+    assert re.fullmatch(rf"error: job {job} failed in {job}-plan: BadCheckpointError: "
+                        r".*run_chk00003\.h5.*\n", shown.stderr), shown.stderr
     assert snapshot(tmp_path) == before
 
 

@@ -50,6 +50,8 @@ from typing import Any
 
 import redis
 
+from chkq.errors import EmbeddedClusterError
+
 #: ``prctl`` option: the signal a process gets when its parent dies (Linux).
 PR_SET_PDEATHSIG = 1
 
@@ -265,9 +267,11 @@ class PrivateRedis:
             except redis.exceptions.RedisError:
                 pass
             if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with status {self.process.returncode}")
+                raise EmbeddedClusterError(
+                    f"redis-server exited with status {self.process.returncode}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"no Redis answered on {where} within {timeout} s")
+                raise EmbeddedClusterError(
+                    f"no Redis answered on {where} within {timeout} s")
             time.sleep(0.05)
 
     def stop(self, *, kill: bool = False) -> None:

@@ -28,6 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from chkq import __version__
+from chkq.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from chkq.workers.client import ConsolidationJob, Progress
@@ -55,7 +56,10 @@ ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 USER_ERRORS: frozenset[str] = frozenset({
     "FileNotFoundError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
     "PermissionError", "ValueError", "CheckpointCorruptionError", "JobInterruptedError",
-    "JobCancelledError",
+    "JobCancelledError", "BadNameError", "RunNotFoundError", "RunNotADirectoryError",
+    "OutputExistsError", "OutputNotWritableError", "OutputWriteError", "NoCheckpointsError",
+    "CheckpointGapError", "BadCheckpointError", "BadMessageError", "BadMessageTypeError",
+    "JobStateGoneError", "SourceNotFoundError", "CheckpointNotFoundError",
 })
 
 
@@ -147,9 +151,10 @@ class ProgressLine:
             self.enabled = False
 
     def close(self) -> None:
+        """Erase the line, and a ``^C`` the terminal echoed after it (CR, erase to the end)."""
         if self.enabled and self.width:
             with contextlib.suppress(OSError):
-                print("\r" + " " * self.width + "\r", end="", file=self.stream, flush=True)
+                print("\r\x1b[K", end="", file=self.stream, flush=True)
             self.width = 0
 
     def notice(self, message: str) -> None:
@@ -179,16 +184,20 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
     if args.no_wait:
         if not get_settings().broker_url:
-            raise ValueError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
-        print(submit_consolidation(args.model, args.out_dir, args.cleanup).id)
+            raise ConfigurationError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
+        job = submit_consolidation(args.model, args.out_dir, args.cleanup,
+                                   allow_gaps=args.allow_gaps)
+        for warning in job.client_warnings:
+            say(f"warning: {warning}")
+        print(job.id)
         return 0
     line = ProgressLine()
     submitted: list[ConsolidationJob] = []
     try:
         summary = run_consolidation(
             args.model, args.out_dir, args.cleanup, workers=args.workers,
-            timeout=args.timeout, on_progress=line, on_notice=line.notice,
-            on_submitted=submitted.append)
+            timeout=args.timeout, allow_gaps=args.allow_gaps, on_progress=line,
+            on_notice=line.notice, on_submitted=submitted.append)
     except Interrupted as exc:
         line.close()
         if get_settings().broker_url and submitted:
@@ -290,11 +299,10 @@ def no_private_tempdir() -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from chkq.demo import RunShape, make_run
+    from chkq.demo import write_demo
 
-    files = make_run(args.out_dir, args.model, RunShape(
-        checkpoints=args.checkpoints, writers=args.writers, trials=args.trials,
-    ))
+    files = write_demo(args.out_dir, args.model, checkpoints=args.checkpoints,
+                       writers=args.writers, trials=args.trials)
     print(f"wrote {len(files)} checkpoint files of model {args.model!r} in {args.out_dir}")
     return 0
 
@@ -329,6 +337,9 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=positive_int, default=None,
                    help="embedded cluster size (default: the CPU count, at most 4; no broker "
                    "configured)")
+    p.add_argument("--allow-gaps", action="store_true",
+                   help="consolidate even if checkpoint numbers are missing between the first "
+                   "and the last (a warning names them); refused otherwise")
     p.add_argument("--no-wait", action="store_true", help="print the job id and return")
     p.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                    help="give up waiting after this long (exit 1; a cluster job goes on)")

@@ -35,7 +35,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import get_app, get_settings
 from chkq.discovery import check_model_name, check_out_dir
-from chkq.errors import JobCancelledError, JobLostError  # noqa: F401 (re-exported)
+from chkq.errors import (  # noqa: F401 (re-exported)
+    JobCancelledError,
+    JobFailedError,
+    JobLostError,
+    NoCheckpointsError,
+    OutputExistsError,
+    RunNotFoundError,
+    WaitTimeoutError,
+)
 from chkq.naming import JobFiles, discard_job_files
 from chkq.tasks.protocol import (
     ForgedRecordError,
@@ -132,6 +140,8 @@ class ConsolidationJob(AsyncResult):
 
     files: JobFiles | None = None
     submitted_at: float | None = None
+    #: What the submitting client found and the job's summary repeats (a gap it accepted).
+    client_warnings: tuple[str, ...] = ()
     _progress_shown = 0.0
 
     @property
@@ -216,7 +226,7 @@ class ConsolidationJob(AsyncResult):
             if watch is not None and unreachable_since is None:
                 watch.check()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
+                raise WaitTimeoutError(
                     f"job {self.id} did not finish within {timeout:g} s; it goes on "
                     f"(chkq status {self.id}; chkq cancel {self.id} to cancel it)")
             time.sleep(POLL_SECONDS)
@@ -290,7 +300,8 @@ class ConsolidationJob(AsyncResult):
             seconds = time.monotonic() - self.submitted_at
         return JobSummary(self.id, output, rows=int(done.get("rows") or 0),
                           files=int(done.get("files") or 0), bytes=size, seconds=seconds,
-                          warnings=[str(w) for w in done.get("warnings") or []])
+                          warnings=[*self.client_warnings,
+                                    *(str(w) for w in done.get("warnings") or [])])
 
     def _outcome(self) -> JobSummary:
         if self._succeeded():
@@ -303,7 +314,7 @@ class ConsolidationJob(AsyncResult):
             raise JobCancelledError(f"job {self.id} was cancelled ({entry.get('by')})")
         if isinstance(exc, BaseException):
             raise exc
-        raise RuntimeError(f"job {self.id} failed: {exc!r}")
+        raise JobFailedError(f"job {self.id} failed: {exc!r}")
 
 
 def served_queues(timeout: float = INSPECT_SECONDS) -> set[str]:
@@ -377,64 +388,81 @@ def out_dir_of(out_dir: str | Path | None) -> Path:
     """
     path = Path(out_dir if out_dir is not None else os.getcwd()).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"output directory {str(path)!r} does not exist")
+        raise RunNotFoundError(f"output directory {str(path)!r} does not exist")
     return check_out_dir(path)
 
 
-def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool) -> tuple[Path, str]:
+def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
+             allow_gaps: bool = False, notes: list[str] | None = None) -> tuple[Path, str]:
     """Refuse, in this process, a job that would be refused anyway; return (directory, model).
 
-    Checks the model name, the directory, that ``MODEL.h5`` does not exist and
-    that there are checkpoints; with ``scan``, also reads every checkpoint
+    Checks the model name, the directory, that ``MODEL.h5`` does not exist,
+    that it can be written, that there are checkpoints and no gap in their
+    numbers (unless ``allow_gaps``: the gap's description is then appended
+    to ``notes``); with ``scan``, also reads every checkpoint
     file's structure (incomplete, unreadable, non-HDF5 or mismatched files),
     as the planning step would. Costs well under a second for a normal run,
     against seconds for starting an embedded cluster.
 
     Raises
     ------
-    FileNotFoundError, FileExistsError, ValueError
+    ChkqError
         As :func:`consolidate_checkpoints`.
     """
-    from chkq.discovery import find_checkpoints
+    from chkq.discovery import check_numbering, find_checkpoints
+    from chkq.fsutil import check_writable_dir
 
     model = check_model_name(model_name)
     directory = out_dir_of(out_dir)
     output = directory / f"{model}.h5"
     if output.exists() or output.is_symlink():
-        raise FileExistsError(f"output {str(output)!r} exists; it is never overwritten")
+        raise OutputExistsError(f"output {str(output)!r} exists; it is never overwritten")
     if scan:
         from chkq.planner import discover_and_scan
 
-        discover_and_scan(directory, model)
-    elif not find_checkpoints(directory, model):
-        raise FileNotFoundError(
-            f"no checkpoints of model {model!r} in {str(directory)!r} "
-            f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)")
+        checkpoints, _ = discover_and_scan(directory, model, allow_gaps=allow_gaps)
+    else:
+        checkpoints = find_checkpoints(directory, model)
+        if not checkpoints:
+            raise NoCheckpointsError(
+                f"no checkpoints of model {model!r} in {str(directory)!r} "
+                f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)")
+    gap = check_numbering(checkpoints, model, allow_gaps=allow_gaps)
+    if gap is not None and notes is not None:
+        notes.append(gap)
+    check_writable_dir(directory, "output directory")
     return directory, model
 
 
 def submit_consolidation(
-    model_name: str, out_dir: str | Path | None = None, cleanup: bool = False
+    model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
+    *, allow_gaps: bool = False,
 ) -> ConsolidationJob:
     """Send a consolidation job to the configured cluster; return its handle at once.
 
     Obvious mistakes (see :func:`precheck`: a bad name or directory, an
-    existing output, no checkpoints) are refused here, before anything is sent.
+    existing output, no checkpoints, a gap in their numbers) are refused
+    here, before anything is sent. With ``allow_gaps``, a gap is accepted:
+    the handle's ``client_warnings`` (and its summary's warnings) name the
+    missing checkpoints.
     """
-    directory, model = precheck(model_name, out_dir, scan=False)
+    notes: list[str] = []
+    directory, model = precheck(model_name, out_dir, scan=False, allow_gaps=allow_gaps,
+                                notes=notes)
     job = uuid.uuid4().hex
     submitted = time.monotonic()
     record_submitted(job, model, str(directory))
-    consolidation_signature(str(directory), model, job, cleanup).apply_async()
+    consolidation_signature(str(directory), model, job, cleanup, allow_gaps).apply_async()
     handle = ConsolidationJob(job, app=get_app())
     handle.files = JobFiles(directory, model, job)
     handle.submitted_at = submitted
+    handle.client_warnings = tuple(notes)
     return handle
 
 
 def run_consolidation(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
-    *, workers: int | None = None, timeout: float | None = None,
+    *, workers: int | None = None, timeout: float | None = None, allow_gaps: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     on_submitted: Callable[[ConsolidationJob], None] | None = None,
@@ -450,16 +478,16 @@ def run_consolidation(
     from chkq.workers.embedded import EmbeddedCluster, drop_result_subscriptions
 
     if get_settings().broker_url:
-        job = submit_consolidation(model_name, out_dir, cleanup)
+        job = submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
         if on_submitted is not None:
             on_submitted(job)
         try:
             return job.wait_for_summary(timeout, on_progress, on_notice=on_notice)
         finally:
             drop_result_subscriptions()
-    precheck(model_name, out_dir, scan=True)
+    precheck(model_name, out_dir, scan=True, allow_gaps=allow_gaps)
     with EmbeddedCluster(workers) as cluster:
-        job = submit_consolidation(model_name, out_dir, cleanup)
+        job = submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
         if job.files is not None:
             cluster.guard(job.files)
         if on_submitted is not None:
@@ -469,28 +497,45 @@ def run_consolidation(
 
 def consolidate_checkpoints(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
-    *, workers: int | None = None,
+    *, workers: int | None = None, allow_gaps: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Path:
     """Consolidate ``model_name``'s checkpoints into ``OUT_DIR/MODEL.h5``; return its path.
 
     With ``CHKQ_BROKER_URL`` set, the job runs on that cluster; otherwise on
     an embedded cluster of ``workers`` local processes (default: CPU count).
-    The job's warnings (a checkpoint directory kept by ``cleanup``) are
-    issued as :class:`ConsolidationWarning`.
+    A gap in the checkpoint numbers (``_chk00001`` and ``_chk00003`` but no
+    ``_chk00002``) is refused unless ``allow_gaps``. The job's warnings (a
+    gap accepted, a checkpoint directory kept by ``cleanup``) are issued as
+    :class:`ConsolidationWarning`.
+
+    Every error below derives from :class:`chkq.ChkqError` and from the
+    built-in named with it.
 
     Raises
     ------
-    FileNotFoundError
-        No checkpoints, or no directory ``out_dir``.
-    FileExistsError
+    BadNameError (ValueError)
+        ``model_name`` cannot name files in one directory.
+    RunNotFoundError (FileNotFoundError)
+        No directory ``out_dir``.
+    OutputNotWritableError (PermissionError)
+        ``out_dir`` cannot be written (read-only filesystem, permissions).
+    NoCheckpointsError (FileNotFoundError)
+        No checkpoints.
+    CheckpointGapError (ValueError)
+        Checkpoint numbers missing between the first and the last.
+    OutputExistsError (FileExistsError)
         ``MODEL.h5`` exists, or appeared while the job ran.
-    ValueError
+    BadCheckpointError (ValueError)
         An incomplete, unreadable or non-HDF5 file, files that differ in
-        structure, or output rows that differ from their source.
+        structure, or something chkq cannot copy exactly.
+    OutputMismatchError (ValueError)
+        Output rows that differ from their source.
+    OutputWriteError (OSError)
+        Writing the output failed (disk full), naming the file and filesystem.
     """
     summary = run_consolidation(model_name, out_dir, cleanup, workers=workers,
-                                on_progress=on_progress)
+                                allow_gaps=allow_gaps, on_progress=on_progress)
     for message in summary.warnings:
         warnings.warn(message, ConsolidationWarning, stacklevel=2)
     return summary.output

@@ -22,6 +22,7 @@ from celery.result import AsyncResult
 
 from chkq.commits import commit_bytes, read_stable
 from chkq.config.celery_app import get_app, get_settings
+from chkq.errors import SourceNotFoundError
 from chkq.log import CheckpointLog, CheckpointRecord, default_writer, validate_run_id
 from chkq.stores import open_store
 from chkq.stores.base import StoreTimeouts, overall_budget
@@ -140,7 +141,7 @@ def submit_commit(
     validate_run_id(run)
     source = Path(path).absolute()
     if not source.is_file():
-        raise FileNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+        raise SourceNotFoundError(f"checkpoint file {str(source)!r} does not exist")
     kwargs: dict[str, Any] = {
         "parent": parent, "parent_head": parent_head, "step": step, "label": label,
         "name": name, "model": model, "expect_id": expect_id,

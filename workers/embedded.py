@@ -50,6 +50,7 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.routing import QUEUES
+from chkq.errors import EmbeddedClusterError, WaitTimeoutError
 from chkq.naming import JobFiles, discard_job_files
 from chkq.workers.broker import PrivateRedis, die_with_parent
 
@@ -197,7 +198,7 @@ class EmbeddedCluster:
     def check_alive(self) -> None:
         """Raise RuntimeError, with the worker's last log lines, if the worker died."""
         if self.process is not None and self.process.poll() is not None:
-            raise RuntimeError(
+            raise EmbeddedClusterError(
                 f"the embedded worker exited with status {self.process.returncode}: "
                 + " | ".join(self.log_tail())
             )
@@ -208,7 +209,7 @@ class EmbeddedCluster:
         while not result.ready():
             self.check_alive()
             if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"task {result.id} did not finish within {timeout} s")
+                raise WaitTimeoutError(f"task {result.id} did not finish within {timeout} s")
             time.sleep(0.05)
         return result.get()
 

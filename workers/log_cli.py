@@ -35,7 +35,7 @@ from chkq.commits import (
     write_output,
 )
 from chkq.config.settings import Settings
-from chkq.errors import NothingToRestoreError
+from chkq.errors import ChkqError, NothingToRestoreError
 from chkq.log import (
     DEFAULT_GC_AGE,
     CheckpointLog,
@@ -51,7 +51,7 @@ from chkq.stores import open_store
 from chkq.stores.base import StoreTimeouts, overall_budget
 
 
-class CommandError(Exception):
+class CommandError(ChkqError):
     """A failure the command line reports as its one ``error:`` line."""
 
 
@@ -246,6 +246,11 @@ class _Progress:
             print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
 
 
+def counted(count: int, singular: str, plural: str | None = None) -> str:
+    """``1 head copy``, ``2 head copies``: a count with its noun in the right number."""
+    return f"{count:,} {singular if count == 1 else plural or singular + 's'}"
+
+
 @_clean_errors
 def cmd_verify(args: argparse.Namespace) -> int:
     log = _existing(args)
@@ -263,9 +268,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(printable(f"orphan {key}"))
         decoded = (f", {report.decoded} rebuilt ({report.decoded_bytes} bytes)"
                    if report.read_data else "")
-        print(f"{'ok' if report.ok else 'FAILED'}: {report.records} checkpoint(s){decoded}, "
-              f"{report.names} name(s), {report.head_copies} head copie(s), "
-              f"{len(report.problems)} problem(s), {len(report.orphans)} orphan(s)")
+        print(f"{'ok' if report.ok else 'FAILED'}: {counted(report.records, 'checkpoint')}"
+              f"{decoded}, {counted(report.names, 'name')}, "
+              f"{counted(report.head_copies, 'head copy', 'head copies')}, "
+              f"{counted(len(report.problems), 'problem')}, "
+              f"{counted(len(report.orphans), 'orphan')}")
     if not report.ok:
         raise CommandError(f"verify found {len(report.problems)} problem(s) in run "
                            f"{log.run_id!r} of {log.store.url}")

@@ -28,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chkq.errors import ConfigurationError
+
 if TYPE_CHECKING:  # the module is imported for --help, which must not load Celery
     from chkq.tasks.protocol import JobStatus, UnitState
 
@@ -122,7 +124,10 @@ def format_recent(statuses: list[JobStatus]) -> str:
     """One line per job, newest first."""
     if not statuses:
         return "no recent jobs"
-    lines = [f"{'JOB':<32}  {'STATE':<8} {'PHASE':<10} {'SUBMITTED':<19}  MODEL / DETAIL"]
+    state_width = max(len("STATE"), *(len(s.state) for s in statuses))
+    phase_width = max(len("PHASE"), *(len(s.phase) for s in statuses))
+    lines = [f"{'JOB':<32}  {'STATE':<{state_width}} {'PHASE':<{phase_width}} "
+             f"{'SUBMITTED':<19}  MODEL / DETAIL"]
     for s in statuses:
         copied, verified, total = s.rows
         if s.state == "SUCCESS":
@@ -136,8 +141,8 @@ def format_recent(statuses: list[JobStatus]) -> str:
         else:
             detail = ""
         where = f"{s.model} in {s.out_dir}" if s.model else ""
-        lines.append(f"{s.job:<32}  {s.state:<8} {s.phase:<10} {_when(s.submitted):<19}  "
-                     f"{where}" + (f": {detail}" if detail else ""))
+        lines.append(f"{s.job:<32}  {s.state:<{state_width}} {s.phase:<{phase_width}} "
+                     f"{_when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
     return "\n".join(lines)
 
 
@@ -160,7 +165,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import job_status, resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq status needs a cluster: set CHKQ_BROKER_URL")
+        raise ConfigurationError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
         if args.json:
@@ -204,10 +209,19 @@ def purge_queued(job: str) -> int:
     """Remove the job's messages still waiting in the broker's queues; return how many.
 
     A revoke reaches only the workers alive now: a message left in a queue
-    would run on a worker started later. kombu's Redis transport keeps each
-    queue as lists (one per priority step) of JSON messages whose headers
-    carry the task id.
+    would run on a worker started later.
     """
+    from chkq.config.celery_app import get_app
+    from chkq.config.settings import AMQP_SCHEMES, broker_scheme
+
+    if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
+        return _purge_amqp(job)
+    return _purge_redis(job)
+
+
+def _purge_redis(job: str) -> int:
+    """kombu's Redis transport keeps each queue as lists (one per priority step) of
+    JSON messages whose headers carry the task id: remove the job's from them."""
     import redis
 
     from chkq.config.celery_app import get_app
@@ -230,6 +244,48 @@ def purge_queued(job: str) -> int:
                         removed += int(client.lrem(key, 0, raw))  # type: ignore[arg-type]
     finally:
         client.close()
+    return removed
+
+
+def _purge_amqp(job: str) -> int:
+    """Take every message waiting in chkq's RabbitMQ queues, keep the job's, hand back the rest.
+
+    AMQP removes a message only by acknowledging it, so each queue's
+    messages are fetched one by one (``basic.get``, as many as the queue
+    held when the sweep began) and held unacknowledged: the job's are then
+    acknowledged (removed), every other one is returned to its queue
+    (``basic.reject`` with requeue). Should this process die meanwhile, RabbitMQ
+    returns all it held when its connection closes: no message is lost, and
+    for the sweep's few seconds other workers merely do not see them.
+    Messages that workers hold reserved are out of reach here; the revoke
+    that :func:`cancel_job` broadcasts drops those.
+    """
+    from chkq.config.celery_app import get_app
+    from chkq.config.routing import task_queues
+
+    removed = 0
+    with get_app().connection_for_write() as connection:
+        channel = connection.default_channel
+        for queue in task_queues(quorum=True):
+            bound = queue.bind(channel)
+            try:
+                _, waiting, _ = bound.queue_declare(passive=True)
+            except connection.channel_errors:
+                channel = connection.channel()  # a queue never declared: nothing queued
+                continue
+            others: list[Any] = []
+            for _ in range(waiting):
+                message = bound.get(no_ack=False)
+                if message is None:
+                    break
+                task = (message.headers or {}).get("id")
+                if isinstance(task, str) and _of_job(task, job):
+                    message.ack()
+                    removed += 1
+                else:
+                    others.append(message)
+            for message in others:
+                message.requeue()
     return removed
 
 
@@ -308,7 +364,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from chkq.tasks.protocol import resolve_job
 
     if not get_settings().broker_url:
-        raise ValueError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
+        raise ConfigurationError("chkq cancel needs a cluster: set CHKQ_BROKER_URL (a job of the "
                          "embedded cluster ends with its command)")
     print(cancel_job(resolve_job(args.job)))
     return 0

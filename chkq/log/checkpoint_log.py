@@ -83,7 +83,13 @@ from dataclasses import replace
 from typing import Any, Literal
 
 from chkq import delta as codec
-from chkq.errors import CheckpointCorruptionError, LogKeyError, SymlinkInStoreError
+from chkq.errors import (
+    CheckpointCorruptionError,
+    CheckpointNotFoundError,
+    LogKeyError,
+    SymlinkInStoreError,
+    UnknownParentError,
+)
 from chkq.log import gc as _gc
 from chkq.log import verify as _verify
 from chkq.log.keys import RunKeys
@@ -320,10 +326,10 @@ class CheckpointLog:
         try:
             validate_key(checkpoint)
         except InvalidKeyError:
-            raise KeyError(checkpoint) from None
+            raise CheckpointNotFoundError(checkpoint) from None
         record = self._fetch_record(checkpoint)
         if record is None:
-            raise KeyError(checkpoint)
+            raise CheckpointNotFoundError(checkpoint)
         return record
 
     def __contains__(self, checkpoint: object) -> bool:
@@ -700,7 +706,8 @@ class CheckpointLog:
             parent_record = None
             if parent is not None:
                 if parent not in self:
-                    raise ValueError(f"unknown parent checkpoint {parent!r} in run {self.run_id!r}")
+                    raise UnknownParentError(
+                        f"unknown parent checkpoint {parent!r} in run {self.run_id!r}")
                 parent_record = self.record(parent)
             delta_payload = None
             parent_data = None

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
+from chkq.errors import BadNameError
 from chkq.stores.base import InvalidKeyError, validate_key
 
 MAX_CHECKPOINT_ENV = "CHKQ_LOG_MAX_CHECKPOINT_BYTES"
@@ -115,18 +116,18 @@ def check_relative_name(name: str) -> str:
         name (255 bytes) or a name longer than a path (4095 bytes).
     """
     if not isinstance(name, str):
-        raise ValueError(f"invalid checkpoint name {name!r}: not a string")
+        raise BadNameError(f"invalid checkpoint name {name!r}: not a string")
     parts = PurePosixPath(name).parts
     if not parts or name.startswith("/") or any(p in ("", ".", "..") for p in parts) \
             or "//" in name or name.endswith("/") or "\\" in name or "\x00" in name:
-        raise ValueError(f"invalid checkpoint name {name!r}: expected a relative path "
+        raise BadNameError(f"invalid checkpoint name {name!r}: expected a relative path "
                          "inside the run directory")
     try:
         encoded = [p.encode() for p in parts]
     except UnicodeEncodeError:
-        raise ValueError(f"invalid checkpoint name {name!r}: not encodable") from None
+        raise BadNameError(f"invalid checkpoint name {name!r}: not encodable") from None
     if any(len(p) > NAME_MAX_BYTES for p in encoded) or len(name.encode()) > PATH_MAX_BYTES:
-        raise ValueError(f"invalid checkpoint name {name[:80]!r}...: a component is longer "
+        raise BadNameError(f"invalid checkpoint name {name[:80]!r}...: a component is longer "
                          f"than {NAME_MAX_BYTES} bytes or the name than {PATH_MAX_BYTES}")
     return name
 
@@ -396,11 +397,11 @@ def validate_run_id(run_id: str) -> str:
         If it is empty, contains ``/``, a backslash or NUL, or is ``.``/``..``.
     """
     if not isinstance(run_id, str) or not run_id or "/" in run_id:
-        raise ValueError(f"invalid run id {run_id!r}: must be a non-empty name without '/'")
+        raise BadNameError(f"invalid run id {run_id!r}: must be a non-empty name without '/'")
     try:
         validate_key(run_id)
     except InvalidKeyError as exc:
-        raise ValueError(f"invalid run id {run_id!r}: {exc}") from None
+        raise BadNameError(f"invalid run id {run_id!r}: {exc}") from None
     return run_id
 
 

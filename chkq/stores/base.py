@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from chkq.errors import InvalidKeyError, StoreNotFoundError, TransientStoreError  # noqa: F401 (re-exported)
+from chkq.errors import ConfigurationError, InvalidKeyError, StoreNotFoundError, TransientStoreError  # noqa: F401 (re-exported)
 
 __all__ = [
     "CheckpointStore",
@@ -61,9 +61,9 @@ def _env_seconds(name: str, default: float) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+        raise ConfigurationError(f"{name} must be a number of seconds, got {raw!r}") from None
     if not value > 0:
-        raise ValueError(f"{name} must be positive, got {raw!r}")
+        raise ConfigurationError(f"{name} must be positive, got {raw!r}")
     return value
 
 

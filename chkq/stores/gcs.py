@@ -14,6 +14,7 @@ from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
+from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
@@ -117,7 +118,7 @@ class GCSStore(CheckpointStore):
         timeouts: StoreTimeouts | None = None,
     ) -> None:
         if not bucket:
-            raise ValueError("GCSStore needs a bucket name")
+            raise BadNameError("GCSStore needs a bucket name")
         self.timeouts = timeouts if timeouts is not None else StoreTimeouts.from_env()
         self._timeout = (self.timeouts.connect, self.timeouts.read)
         self._bucket_name = bucket

@@ -19,7 +19,10 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from chkq.errors import SymlinkInStoreError  # noqa: F401 (re-exported)
+from chkq.errors import (
+    BadNameError,
+    SymlinkInStoreError,  # noqa: F401 (re-exported)
+)
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
@@ -70,9 +73,9 @@ class LocalDirectoryStore(CheckpointStore):
     def __init__(self, root: str | os.PathLike[str], *, must_exist: bool = False) -> None:
         text = os.fspath(root)
         if "\x00" in text:
-            raise ValueError(f"LocalDirectoryStore path {text!r} contains a NUL byte")
+            raise BadNameError(f"LocalDirectoryStore path {text!r} contains a NUL byte")
         if not os.path.isabs(text):
-            raise ValueError(f"LocalDirectoryStore needs an absolute path, got {text!r}")
+            raise BadNameError(f"LocalDirectoryStore needs an absolute path, got {text!r}")
         self._root = Path(os.path.realpath(text))
         self._must_exist = must_exist
 

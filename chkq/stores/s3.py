@@ -19,6 +19,7 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
+from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     CheckpointStore,
@@ -148,7 +149,7 @@ class S3Store(CheckpointStore):
         timeouts: StoreTimeouts | None = None,
     ) -> None:
         if not bucket:
-            raise ValueError("S3Store needs a bucket name")
+            raise BadNameError("S3Store needs a bucket name")
         self.timeouts = timeouts if timeouts is not None else StoreTimeouts.from_env()
         self._bucket = bucket
         self._prefix = bucket_prefix(prefix)

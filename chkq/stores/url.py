@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
+from chkq.errors import BadNameError
 from chkq.stores.base import CheckpointStore
 
 __all__ = ["StoreLocation", "open_store", "parse_store_url"]
@@ -89,7 +90,7 @@ class StoreLocation:
 def _local_path(url: str, netloc: str, raw_path: str) -> Path:
     """Decode and resolve the path of a ``file`` URL (see :func:`parse_store_url`)."""
     if netloc.lower() not in LOCAL_HOSTS:
-        raise ValueError(
+        raise BadNameError(
             f"file store URL {url!r} names host {netloc!r}: only file:///abs/dir "
             "(or file://localhost/abs/dir) is a local directory"
         )
@@ -97,9 +98,9 @@ def _local_path(url: str, netloc: str, raw_path: str) -> Path:
     # so that any file name (not only UTF-8 ones) round-trips.
     decoded = unquote_to_bytes(raw_path)
     if b"\x00" in decoded:
-        raise ValueError(f"file store URL {url!r} contains a NUL byte")
+        raise BadNameError(f"file store URL {url!r} contains a NUL byte")
     if not decoded.startswith(b"/"):
-        raise ValueError(
+        raise BadNameError(
             f"file store URL {url!r} must name an absolute path, as file:///abs/dir")
     return Path(os.path.realpath(os.fsdecode(decoded)))
 
@@ -122,30 +123,30 @@ def parse_store_url(url: str) -> StoreLocation:
         the URL.
     """
     if not isinstance(url, str):
-        raise ValueError(f"a store URL must be a string, got {type(url).__name__}")
+        raise BadNameError(f"a store URL must be a string, got {type(url).__name__}")
     if "\x00" in url:
-        raise ValueError(f"store URL {url!r} contains a NUL byte")
+        raise BadNameError(f"store URL {url!r} contains a NUL byte")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise ValueError(
+        raise BadNameError(
             f"unsupported store URL {url!r}: expected one of "
             + ", ".join(f"{s}://..." for s in SCHEMES)
         )
     if parts.query or parts.fragment:
-        raise ValueError(f"store URL {url!r} must not have a query or fragment")
+        raise BadNameError(f"store URL {url!r} must not have a query or fragment")
     if scheme == "file":
         return StoreLocation(url, scheme, local_root=_local_path(url, parts.netloc, parts.path))
     if scheme == "memory":
         name = (parts.netloc + parts.path).strip("/")
         if not name:
-            raise ValueError(f"memory store URL {url!r} needs a name, as memory://name")
+            raise BadNameError(f"memory store URL {url!r} needs a name, as memory://name")
         return StoreLocation(url, scheme, bucket=name)
     if not parts.netloc:
-        raise ValueError(f"store URL {url!r} needs a bucket, as {scheme}://bucket/prefix")
+        raise BadNameError(f"store URL {url!r} needs a bucket, as {scheme}://bucket/prefix")
     prefix = unquote(parts.path, errors="strict")
     if "\x00" in prefix:
-        raise ValueError(f"store URL {url!r} contains a NUL byte")
+        raise BadNameError(f"store URL {url!r} contains a NUL byte")
     return StoreLocation(url, scheme, bucket=parts.netloc, prefix=prefix.strip("/"))
 
 
