@@ -607,7 +607,7 @@ TASK_FUNCTIONS = ("plan_job", "copy", "merge", "verify", "link", "fail")
 WORK_FUNCTIONS = (
     "_allocate_by_writing", "create_skeleton", "discover_and_scan", "prepare", "store_plan",
     "launch_copies", "launch_verification", "load_plan", "digests_by_dataset", "copy_unit",
-    "merge_parts", "remove_parts", "verify_files", "check_output", "check_unchanged",
+    "merge_parts", "remove_parts", "verify_files", "check_output", "check_plan_output",
     "record_copied", "record_merged", "record_verified", "link_output", "report",
     "check_deliveries",
 )

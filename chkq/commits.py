@@ -49,6 +49,7 @@ from chkq.log import (
     format_created,
     model_of_name,
 )
+from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 
 __all__ = [
     "FileChangedError",
@@ -64,9 +65,9 @@ __all__ = [
     "write_output",
 ]
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = DIRECTORY
+_TEMP_FLAGS = CREATE
+_READ_FLAGS = READ_NONBLOCK
 
 
 def read_stable(path: str | Path) -> tuple[bytes, int]:
@@ -88,7 +89,7 @@ def read_stable(path: str | Path) -> tuple[bytes, int]:
         If the file changed during the read.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, READ_NONBLOCK)
     except FileNotFoundError:
         raise SourceNotFoundError(f"checkpoint file {str(path)!r} does not exist") from None
     except OSError as exc:

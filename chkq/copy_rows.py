@@ -25,6 +25,7 @@ from h5py import h5d, h5f, h5s
 from chkq.deflate_chunks import ChunkEncoder
 from chkq.plan import CopyUnit, DatasetPlan, Plan
 from chkq.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
+from chkq.rundir import CREATE, WRITE, RunDir, fd_path
 from chkq.skeleton import create_extensible
 from chkq.stamps import check_descriptor, open_unchanged
 from chkq.structure import open_checkpoint_id
@@ -81,32 +82,27 @@ def _file_at(offsets: list[int], row: int) -> int:
     return lo
 
 
-def open_source(plan: Plan, file_index: int) -> tuple[h5f.FileID, int]:
+def open_source(run: RunDir, plan: Plan, file_index: int) -> tuple[h5f.FileID, int]:
     """Open checkpoint file ``file_index`` as it was planned: an HDF5 id and a descriptor.
 
-    Both are checked against the file's recorded stamp (a file changed or
-    replaced by a link since planning is refused). The caller closes both.
+    The descriptor is opened through ``run`` (no link followed at any
+    level) and checked against the file's recorded stamp; HDF5 reads that
+    descriptor's file. The caller closes both.
     """
     path = plan.file_path(file_index)
-    fd = open_unchanged(path, plan.stamp(file_index), plan.job_id)
+    fd = open_unchanged(run, path, plan.stamp(file_index), plan.job_id)
     try:
-        fid = open_checkpoint_id(path)
+        fid = open_checkpoint_id(path, fd)
     except BaseException:
-        os.close(fd)
-        raise
-    try:
-        check_descriptor(path, fid.get_vfd_handle(), plan.stamp(file_index).inode)
-    except BaseException:
-        fid.close()
         os.close(fd)
         raise
     return fid, fd
 
 
-def open_output_fd(plan: Plan) -> int:
-    """Open the job's temporary output for writing, if it is the file the planner made."""
+def open_output_fd(run: RunDir, plan: Plan, flags: int = WRITE) -> int:
+    """Open the job's temporary output through ``run``, if it is the file the planner made."""
     path = plan.job.temp
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = run.open_file(path, flags)
     try:
         check_descriptor(path, fd, plan.temp_inode)
     except BaseException:
@@ -235,9 +231,16 @@ def copy_unit(plan: Plan, unit_index: int, progress: Progress | None = None) -> 
     unit = plan.copy_units[unit_index]
     stats = CopyStats()
     segments = segments_by_file(plan, unit)
-    if unit.part is not None:
-        return _copy_to_part(plan, unit, segments, stats, progress)
-    fd = open_output_fd(plan)
+    with plan.open_run() as run:
+        if unit.part is not None:
+            return _copy_to_part(run, plan, unit, segments, stats, progress)
+        return _copy_raw(run, plan, segments, stats, progress)
+
+
+def _copy_raw(run: RunDir, plan: Plan, segments: dict[int, list[Segment]], stats: CopyStats,
+              progress: Progress | None) -> CopyStats:
+    """Copy a unit's rows of raw-mode datasets into the output's pre-allocated chunks."""
+    fd = open_output_fd(run, plan)
     try:
         writer = RawWriter(fd)
         chunks = ChunkCopier(fd)
@@ -246,10 +249,10 @@ def copy_unit(plan: Plan, unit_index: int, progress: Progress | None = None) -> 
                         for seg in file_segments)
             if plain:
                 fid = None
-                src_fd = open_unchanged(plan.file_path(file_index), plan.stamp(file_index),
-                                        plan.job_id)
+                src_fd = open_unchanged(run, plan.file_path(file_index),
+                                        plan.stamp(file_index), plan.job_id)
             else:
-                fid, src_fd = open_source(plan, file_index)
+                fid, src_fd = open_source(run, plan, file_index)
             try:
                 stats.files += 1
                 for seg in file_segments:
@@ -289,6 +292,7 @@ def _copy_through_hdf5(plan: Plan, d: DatasetPlan, dsid: h5d.DatasetID, base: in
 
 
 def _copy_to_part(
+    run: RunDir,
     plan: Plan,
     unit: CopyUnit,
     segments: dict[int, list[Segment]],
@@ -305,16 +309,29 @@ def _copy_to_part(
     decoding every source again. Whole chunks of a [shuffle,] deflate
     dataset are encoded with ISA-L (:mod:`chkq.deflate_chunks`, twenty
     times HDF5's zlib) and stored as they are; the rest go through HDF5's
-    filters. The part file is created exclusively
-    (never through a link planted at its name) and renamed into place.
+    filters. The template is opened as planned (its stamp checked); the
+    part file is created exclusively through ``run`` (never through a link
+    planted at its name or above it), written through its descriptor and
+    renamed into place.
     """
     assert unit.part is not None
     index, start, stop = unit.pieces[0]
     d = plan.datasets[index]
     final = plan.job.part(unit.part)
     temp = final.with_name(final.name + ".new")
-    temp.unlink(missing_ok=True)
-    with h5py.File(plan.reference_file, "r") as ref, h5py.File(temp, "w-") as part:
+    run.unlink(temp)
+    ref_id, ref_fd = open_source(run, plan, plan.reference_index())
+    os.close(ref_fd)
+    try:
+        part_fd = run.open_file(temp, CREATE, 0o644)
+        try:
+            part = h5py.File(fd_path(part_fd), "w")
+        finally:
+            os.close(part_fd)
+    except BaseException:
+        ref_id.close()
+        raise
+    with h5py.File(ref_id) as ref, part:
         out = create_extensible(part, "data", ref[d.name], stop - start).id
         tid = out.get_type()
         per_chunk = d.chunk[0]
@@ -343,7 +360,7 @@ def _copy_to_part(
             pending_rows = 0
 
         for file_index, file_segments in segments.items():
-            fid, src_fd = open_source(plan, file_index)
+            fid, src_fd = open_source(run, plan, file_index)
             try:
                 source = h5d.open(fid, d.name.encode())
                 stats.files += 1
@@ -368,5 +385,5 @@ def _copy_to_part(
                 os.close(src_fd)
         flush()
         stats.bytes = written * d.row_bytes
-    os.replace(temp, final)
+    run.rename(temp, final)
     return stats

@@ -24,6 +24,7 @@ from chkq.errors import (
     RunNotADirectoryError,
     RunNotFoundError,
 )
+from chkq.rundir import RunDir
 
 _BAD_MODEL = re.compile(r"[/\\\x00]")
 
@@ -38,7 +39,8 @@ class Checkpoint:
 
     @property
     def is_directory(self) -> bool:
-        return self.path.is_dir()
+        """Whether the checkpoint is a directory of files, as discovery found it."""
+        return self.files != (self.path,)
 
 
 def check_model_name(model: str) -> str:
@@ -68,11 +70,11 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return path.absolute()
 
 
-def _refuse_link(entry: os.DirEntry[str]) -> None:
+def _refuse_link(entry: os.DirEntry[str], folder: Path) -> None:
     if entry.is_symlink():
         raise BadCheckpointError(
-            f"checkpoint {entry.path!r} is a symbolic link: chkq does not follow links in a "
-            "run directory (copy the checkpoint in instead)")
+            f"checkpoint {str(folder / entry.name)!r} is a symbolic link: chkq does not follow "
+            "links in a run directory (copy the checkpoint in instead)")
 
 
 def checkpoint_pattern(model: str) -> re.Pattern[str]:
@@ -80,27 +82,37 @@ def checkpoint_pattern(model: str) -> re.Pattern[str]:
     return re.compile(re.escape(model) + r"_chk(\d{5})(\.h5)?")
 
 
-def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
+def find_checkpoints(out_dir: str | Path, model: str,
+                     run: RunDir | None = None) -> list[Checkpoint]:
     """List ``model``'s checkpoints in ``out_dir``, in the order they are consolidated.
 
     Returns an empty list when there are none; the caller decides whether that
     is an error. A checkpoint directory with no ``.h5`` file in it is kept (with
-    no files) so that validation can name it.
+    no files) so that validation can name it. ``run``: ``out_dir`` already
+    opened (the job's planning reads the run through one descriptor).
     """
     directory = check_out_dir(out_dir)
     check_model_name(model)
     pattern = checkpoint_pattern(model)
+    # os.scandir: the entries' types come with the listing (no stat per entry: a run of
+    # 20,000 files took 0.24 s with Path.iterdir and two stats an entry). Directories are
+    # listed through descriptors opened without following a link at any level.
+    if run is not None:
+        return _listed(run, directory, pattern)
+    with RunDir.open(directory) as opened:
+        return _listed(opened, directory, pattern)
+
+
+def _listed(run: RunDir, directory: Path, pattern: re.Pattern[str]) -> list[Checkpoint]:
     files: dict[int, Path] = {}
     dirs: dict[int, Path] = {}
-    # os.scandir: the entries' types come with the listing (no stat per entry: a run of
-    # 20,000 files took 0.24 s with Path.iterdir and two stats an entry).
-    with os.scandir(directory) as entries:
+    with os.scandir(run.fd) as entries:
         for entry in entries:
             match = pattern.fullmatch(entry.name)
             if match is None:
                 continue
             number = int(match.group(1))
-            _refuse_link(entry)
+            _refuse_link(entry, directory)
             if match.group(2):
                 if entry.is_file(follow_symlinks=False):
                     files[number] = directory / entry.name
@@ -112,11 +124,15 @@ def find_checkpoints(out_dir: str | Path, model: str) -> list[Checkpoint]:
             found.append(Checkpoint(number, files[number], (files[number],)))
         else:
             folder = dirs[number]
-            with os.scandir(folder) as listing:
-                candidates = [p for p in listing
-                              if p.name.endswith(".h5") and not p.name.startswith(".")]
+            folder_fd = run.open_dir(folder)
+            try:
+                with os.scandir(folder_fd) as listing:
+                    candidates = [p for p in listing
+                                  if p.name.endswith(".h5") and not p.name.startswith(".")]
+            finally:
+                os.close(folder_fd)
             for member in candidates:
-                _refuse_link(member)
+                _refuse_link(member, folder)
             members = sorted(folder / p.name for p in candidates
                              if p.is_file(follow_symlinks=False))
             found.append(Checkpoint(number, folder, tuple(members)))

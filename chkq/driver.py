@@ -15,7 +15,7 @@ from pathlib import Path
 from chkq.copy_rows import copy_unit
 from chkq.finalize import discard_job_files, link_output, remove_checkpoints
 from chkq.merge import merge_parts, remove_parts
-from chkq.output_check import check_output
+from chkq.output_check import check_plan_output
 from chkq.planner import DEFAULT_BLOCK_BYTES, prepare
 from chkq.verify_rows import digests_by_dataset, verify_files
 
@@ -41,10 +41,7 @@ def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
         digests = digests_by_dataset(copies, plan)
         for first, stop in plan.verify_units:
             verify_files(plan, first, stop, digests)
-        check_output(plan.job.temp, Path(plan.reference_file),
-                     rows={d.name: d.total for d in plan.datasets},
-                     raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
-                     block_bytes=plan.block_bytes)
+        check_plan_output(plan)
         output = link_output(plan)
         if cleanup:
             remove_checkpoints(plan)

@@ -116,6 +116,14 @@ class CheckpointChangedError(ChkqError, ValueError):
     """A checkpoint file changed (size, times, inode) or was replaced after planning."""
 
 
+class SymlinkInRunError(CheckpointChangedError, OSError):
+    """A symbolic link stands where a run's file or directory is opened (none is followed).
+
+    Also an ``OSError``, like the failed ``open`` it reports, so that cleanup
+    code that tolerates filesystem errors tolerates it too.
+    """
+
+
 class UnprovenJobError(ChkqError, RuntimeError):
     """A job's records do not prove its output: it is not published."""
 

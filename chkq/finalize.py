@@ -2,7 +2,8 @@
 
 The output appears only by a hard link (create-if-absent) of the verified
 temporary, made through a descriptor checked to be the very file the
-planner created (``/proc/self/fd``), so a temporary swapped for another
+planner created (``/proc/self/fd``), into the run directory's descriptor
+(:mod:`chkq.rundir`), so a temporary swapped for another
 file or a symbolic link by whoever can write the run directory is never
 published. An existing ``MODEL.h5`` is never overwritten. Linking is
 idempotent: a second run of the same step recognises its own output by
@@ -23,14 +24,12 @@ import stat
 from pathlib import Path
 
 from chkq.errors import BadMessageError, JobStateGoneError, OutputExistsError
-from chkq.fsutil import fsync_dir
 from chkq.naming import discard_job_files  # noqa: F401 (re-exported)
 from chkq.plan import Plan
+from chkq.rundir import DIRECTORY, RunDir
 from chkq.stamps import FileStamp, check_descriptor
 
 log = logging.getLogger(__name__)
-
-_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def link_output(plan: Plan) -> Path:
@@ -45,55 +44,59 @@ def link_output(plan: Plan) -> Path:
     """
     job = plan.job
     output, temp = job.output, job.temp
-    try:
-        fd = os.open(temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if _is_ours(output, plan.temp_inode):
-            return output
-        raise JobStateGoneError(
-            f"the temporary output of job {plan.job_id} ({str(temp)!r}) is gone: "
-            "the job was cancelled or cleaned up") from None
-    try:
-        check_descriptor(temp, fd, plan.temp_inode)
+    with plan.open_run() as run:
         try:
-            _link_descriptor(fd, temp, output, plan.temp_inode)
-        except FileExistsError:
-            if not _is_ours(output, plan.temp_inode):
-                raise OutputExistsError(
-                    f"{str(output)!r} appeared while job {plan.job_id} ran; it was left "
-                    "untouched and the job's output discarded") from None
-    finally:
-        os.close(fd)
-    with contextlib.suppress(FileNotFoundError):
-        if os.lstat(temp).st_ino == plan.temp_inode:
-            os.unlink(temp)
-    fsync_dir(job.out_dir)
+            fd = run.open_file(temp)
+        except FileNotFoundError:
+            if _is_ours(run, output, plan.temp_inode):
+                return output
+            raise JobStateGoneError(
+                f"the temporary output of job {plan.job_id} ({str(temp)!r}) is gone: "
+                "the job was cancelled or cleaned up") from None
+        try:
+            check_descriptor(temp, fd, plan.temp_inode)
+            try:
+                _link_descriptor(run, fd, temp, output, plan.temp_inode)
+            except FileExistsError:
+                if not _is_ours(run, output, plan.temp_inode):
+                    raise OutputExistsError(
+                        f"{str(output)!r} appeared while job {plan.job_id} ran; it was left "
+                        "untouched and the job's output discarded") from None
+        finally:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            if run.lstat(temp).st_ino == plan.temp_inode:
+                run.unlink(temp, missing_ok=False)
+        run.fsync()
     return output
 
 
-def _link_descriptor(fd: int, temp: Path, output: Path, inode: int) -> None:
-    """Hard-link the file open as ``fd`` (the checked temporary) to ``output``.
+def _link_descriptor(run: RunDir, fd: int, temp: Path, output: Path, inode: int) -> None:
+    """Hard-link the file open as ``fd`` (the checked temporary) to ``output`` in ``run``.
 
-    Through ``/proc/self/fd`` where the kernel allows it; otherwise by name,
-    checking afterwards that the new link is the checked file (and removing
-    it, if a swap in between made it another).
+    Through ``/proc/self/fd`` where the kernel allows it; otherwise by name
+    (relative to the run directory's descriptor), checking afterwards that
+    the new link is the checked file (and removing it, if a swap in between
+    made it another).
     """
     try:
-        os.link(f"/proc/self/fd/{fd}", output, follow_symlinks=True)
+        run.link_descriptor(fd, output)
         return
     except FileExistsError:
         raise
     except OSError:
         pass
-    os.link(temp, output, follow_symlinks=False)
-    if not _is_ours(output, inode):
-        os.unlink(output)
+    (_, temp_name), (_, output_name) = run.split(temp), run.split(output)
+    os.link(temp_name, output_name, src_dir_fd=run.fd, dst_dir_fd=run.fd,
+            follow_symlinks=False)
+    if not _is_ours(run, output, inode):
+        run.unlink(output)
         raise OutputExistsError(f"{str(temp)!r} was replaced by another file before it was linked")
 
 
-def _is_ours(output: Path, inode: int) -> bool:
+def _is_ours(run: RunDir, output: Path, inode: int) -> bool:
     try:
-        return os.lstat(output).st_ino == inode
+        return run.lstat(output).st_ino == inode
     except FileNotFoundError:
         return False
 
@@ -108,7 +111,8 @@ def remove_checkpoints(plan: Plan) -> list[str]:
     """
     warnings: list[str] = []
     run = Path(plan.out_dir)
-    run_fd = os.open(run, _DIRECTORY)
+    opened = plan.open_run()
+    run_fd = opened.fd
     try:
         by_dir: dict[str, list[tuple[str, FileStamp]]] = {}
         for index, (path, *_stamp) in enumerate(plan.files):
@@ -119,7 +123,7 @@ def remove_checkpoints(plan: Plan) -> list[str]:
             by_dir.setdefault(folder, []).append((parts[-1], plan.stamp(index)))
         for folder, members in by_dir.items():
             try:
-                dir_fd = os.open(folder, _DIRECTORY, dir_fd=run_fd) if folder else run_fd
+                dir_fd = os.open(folder, DIRECTORY, dir_fd=run_fd) if folder else run_fd
             except FileNotFoundError:
                 continue
             except OSError as exc:
@@ -142,7 +146,7 @@ def remove_checkpoints(plan: Plan) -> list[str]:
                     warnings.append(warning)
         os.fsync(run_fd)
     finally:
-        os.close(run_fd)
+        opened.close()
     for message in warnings:
         log.warning(message)
     return warnings
@@ -166,7 +170,7 @@ def _remove_folder(run_fd: int, name: str, shown: Path) -> str | None:
         return None
     except OSError:
         try:
-            dir_fd = os.open(name, _DIRECTORY, dir_fd=run_fd)
+            dir_fd = os.open(name, DIRECTORY, dir_fd=run_fd)
         except OSError:
             return f"checkpoint directory {str(shown)!r} was kept: it is no longer a directory"
         try:

@@ -8,8 +8,7 @@ import secrets
 from pathlib import Path
 
 from chkq.errors import OutputNotWritableError, OutputWriteError
-
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+from chkq.rundir import CREATE
 
 
 def fsync_dir(path: Path) -> None:
@@ -33,7 +32,7 @@ def create_temp(directory: Path, stem: str) -> tuple[int, Path]:
     while True:
         temp = directory / f"{stem}.{secrets.token_hex(8)}.tmp"
         try:
-            return os.open(temp, _TEMP_FLAGS, 0o666), temp
+            return os.open(temp, CREATE, 0o666), temp
         except FileExistsError:
             continue
 

@@ -13,6 +13,7 @@ the output.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -20,11 +21,13 @@ import numpy as np
 from h5py import h5r, h5t
 
 from chkq import vlen
-from chkq.copy_rows import open_source
+from chkq.copy_rows import open_output_fd, open_source
 from chkq.errors import BadCheckpointError
 from chkq.plan import DatasetPlan, Plan
 from chkq.rowio import block_rows
+from chkq.rundir import READ, RunDir, fd_path
 from chkq.stamps import check_descriptor
+from chkq.structure import open_checkpoint_id
 
 #: Most rows of variable-length data moved per read (their size in memory is not known).
 WHOLE_BLOCK_ROWS = 65536
@@ -40,32 +43,42 @@ def merge_parts(plan: Plan) -> int:
     moved = 0
     parts = [i for i, d in enumerate(plan.datasets) if d.mode == "chunks"]
     whole = [i for i, d in enumerate(plan.datasets) if d.mode == "whole"]
-    if parts or whole:
-        with h5py.File(plan.job.temp, "r+", libver=tuple(plan.libver)) as out:
-            check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
-            for index in parts:
-                target = out[plan.datasets[index].name]
-                for unit in plan.copy_units:
-                    if unit.part is None or unit.pieces[0][0] != index:
-                        continue
-                    with h5py.File(plan.job.part(unit.part), "r") as part:
-                        moved += _move_chunks(part["data"], target, unit.pieces[0][1])
-            if whole:
-                moved += _copy_whole(plan, [plan.datasets[i] for i in whole], out)
-    fd = os.open(plan.job.temp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with plan.open_run() as run:
+        fd = open_output_fd(run, plan, READ)
+        try:
+            if parts or whole:
+                with h5py.File(fd_path(fd), "r+", libver=tuple(plan.libver)) as out:
+                    check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
+                    for index in parts:
+                        target = out[plan.datasets[index].name]
+                        for unit in plan.copy_units:
+                            if unit.part is None or unit.pieces[0][0] != index:
+                                continue
+                            with _open_part(run, plan.job.part(unit.part)) as part:
+                                moved += _move_chunks(part["data"], target, unit.pieces[0][1])
+                    if whole:
+                        moved += _copy_whole(run, plan, [plan.datasets[i] for i in whole], out)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return moved
+
+
+def _open_part(run: RunDir, path: Path) -> h5py.File:
+    """Open a part file of the job through ``run`` (no link followed at any level)."""
+    fd = run.open_file(path)
     try:
-        check_descriptor(plan.job.temp, fd, plan.temp_inode)
-        os.fsync(fd)
+        return h5py.File(open_checkpoint_id(path, fd))
     finally:
         os.close(fd)
-    return moved
 
 
 def remove_parts(plan: Plan) -> None:
     """Delete the job's part files (after the merge was recorded)."""
-    for unit in plan.copy_units:
-        if unit.part is not None:
-            plan.job.part(unit.part).unlink(missing_ok=True)
+    with plan.open_run() as run:
+        for unit in plan.copy_units:
+            if unit.part is not None:
+                run.unlink(plan.job.part(unit.part))
 
 
 def _move_chunks(source: h5py.Dataset, target: h5py.Dataset, row_offset: int) -> int:
@@ -81,11 +94,11 @@ def _move_chunks(source: h5py.Dataset, target: h5py.Dataset, row_offset: int) ->
     return moved
 
 
-def _copy_whole(plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
+def _copy_whole(run: RunDir, plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
     """Copy the rows of variable-length and reference datasets from every file, in order."""
     moved = 0
     for file_index in range(len(plan.files)):
-        fid, fd = open_source(plan, file_index)
+        fid, fd = open_source(run, plan, file_index)
         try:
             source = h5py.File(fid)
             for d in datasets:
@@ -98,7 +111,8 @@ def _copy_whole(plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
                 for lo in range(0, stop - start, step):
                     hi = min(stop - start, lo + step)
                     if tid.get_class() == h5t.REFERENCE:
-                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name)
+                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name,
+                                                             plan.file_path(file_index))
                     else:
                         with vlen.read_rows(src.id, lo, hi - lo, tid) as rows:
                             vlen.write_rows(dst.id, start + lo, rows, tid)
@@ -109,8 +123,11 @@ def _copy_whole(plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
     return moved
 
 
-def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str) -> np.ndarray:
+def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str,
+            shown: Path | None = None) -> np.ndarray:
     """The references in ``rows`` (of ``source``) re-pointed to the same-named objects of ``out``.
+
+    ``shown`` names ``source`` in messages (HDF5 knows it by its descriptor only).
 
     Raises
     ------
@@ -121,18 +138,19 @@ def repoint(rows: np.ndarray, source: h5py.File, out: h5py.File, name: str) -> n
     result = np.empty(rows.shape, dtype=rows.dtype)
     flat, target = rows.reshape(-1), result.reshape(-1)
     for i, ref in enumerate(flat):
-        target[i] = _repoint_one(ref, source, out, name)
+        target[i] = _repoint_one(ref, source, out, name, shown)
     return result
 
 
-def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str) -> Any:
+def _repoint_one(ref: Any, source: h5py.File, out: h5py.File, name: str,
+                 shown: Path | None) -> Any:
     if not ref:
         return ref
     path = source[ref].name
     if not path or path not in out:
         raise BadCheckpointError(
-            f"a reference in dataset '/{name}' of {source.filename!r} points to an object the "
-            f"output does not have ({path!r})")
+            f"a reference in dataset '/{name}' of {str(shown or source.filename)!r} points to "
+            f"an object the output does not have ({path!r})")
     if isinstance(ref, h5py.RegionReference):
         region = h5r.get_region(ref, source.id)
         return h5r.create(out.id, path.encode(), h5r.DATASET_REGION, region)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from chkq.discovery import check_model_name
 from chkq.errors import BadNameError
+from chkq.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,12 @@ class JobFiles:
 
     def temporaries(self) -> list[Path]:
         """Every file of this job that exists now, output excepted."""
+        with RunDir.open(self.out_dir) as run:
+            return self._listed(run)
+
+    def _listed(self, run: RunDir) -> list[Path]:
         start = self.prefix + "."
-        return sorted(p for p in self.out_dir.iterdir() if p.name.startswith(start))
+        return sorted(self.out_dir / name for name in run.listdir() if name.startswith(start))
 
 
 def discard_job_files(job: JobFiles) -> list[Path]:
@@ -71,19 +76,22 @@ def discard_job_files(job: JobFiles) -> list[Path]:
     Only regular files go: a job creates its temporaries as files
     (``O_EXCL|O_NOFOLLOW``), so an entry named like one that is a directory,
     a link or anything else was planted, and is left as it is (logged), never
-    entered or followed. Entries are removed through a descriptor of the
-    directory, by name, one at a time; one that cannot be removed is logged
-    and the others still go, so that a failing job's cleanup never fails.
+    entered or followed. Entries are listed and removed through the run
+    directory's descriptor (:class:`chkq.rundir.RunDir`: opened with no link
+    followed at any level), by name, one at a time; one that cannot be
+    removed is logged and the others still go, so that a failing job's
+    cleanup never fails.
     """
     removed: list[Path] = []
     start = job.prefix + "."
     try:
-        dir_fd = os.open(job.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
+        run = RunDir.open(job.out_dir)
+    except (OSError, ValueError) as exc:
         log.warning("temporaries of job %s in %r were left: %s", job.job_id, str(job.out_dir),
-                    exc.strerror)
+                    exc)
         return removed
-    try:
+    with run:
+        dir_fd = run.fd
         for name in sorted(os.listdir(dir_fd)):
             if not name.startswith(start):
                 continue
@@ -103,6 +111,4 @@ def discard_job_files(job: JobFiles) -> list[Path]:
                             exc.strerror)
                 continue
             removed.append(job.out_dir / name)
-    finally:
-        os.close(dir_fd)
     return removed

@@ -16,6 +16,7 @@ the skeleton or copy steps, so a bug there cannot hide itself here.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +28,10 @@ from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
 
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
-from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES
+from chkq.plan import Plan
+from chkq.rundir import READ
+from chkq.stamps import check_descriptor, check_same, open_unchanged
+from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES, open_checkpoint_id
 
 MAX_LISTED = 5
 #: Bytes the check may hold at once when no block size is given (a task's ``block_bytes``).
@@ -105,7 +109,8 @@ def _token(info: Any) -> int:
 
 
 def compare_output(output: Path, template: Path, rows: dict[str, int],
-                   raw_datasets: set[str], block_bytes: int = BLOCK_BYTES) -> list[str]:
+                   raw_datasets: set[str], block_bytes: int = BLOCK_BYTES,
+                   opened: tuple[int, int] | None = None) -> list[str]:
     """Differences between ``output`` and ``template`` (empty when the output is right).
 
     Parameters
@@ -118,12 +123,21 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
         Bytes of values the check holds at once (a fixed dataset is read in
         slabs of at most a quarter of it a side; attributes, which HDF5
         reads whole, are compared one at a time).
+    opened
+        Descriptors of the output and the template, opened and checked by
+        the caller (:func:`check_plan_output`): HDF5 then reads those files,
+        and the paths only name them.
     """
     found: list[str] = []
-    out_fid = h5f.open(str(output).encode(), h5f.ACC_RDONLY)
-    ref_fid = h5f.open(str(template).encode(), h5f.ACC_RDONLY)
+    out_fd, ref_fd = opened or (None, None)
+    out_fid = _open(output, out_fd)
     try:
-        _compare_userblock(out_fid, ref_fid, output, template, found)
+        ref_fid = _open(template, ref_fd)
+    except BaseException:
+        out_fid.close()
+        raise
+    try:
+        _compare_userblock(out_fid, ref_fid, (output, out_fd), (template, ref_fd), found)
         _compare_format(out_fid, ref_fid, found)
         expected = _walk(ref_fid, f"the template {str(template)!r}")
         actual = _walk(out_fid, f"the output {str(output)!r}")
@@ -155,10 +169,17 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
     return found
 
 
+def _open(path: Path, fd: int | None) -> h5f.FileID:
+    if fd is None:
+        return h5f.open(str(path).encode(), h5f.ACC_RDONLY)
+    return open_checkpoint_id(path, fd)
+
+
 def check_output(output: Path, template: Path, rows: dict[str, int],
-                 raw_datasets: set[str], block_bytes: int = BLOCK_BYTES) -> None:
+                 raw_datasets: set[str], block_bytes: int = BLOCK_BYTES,
+                 opened: tuple[int, int] | None = None) -> None:
     """Raise OutputMismatchError listing the first differences, if there are any."""
-    found = compare_output(output, template, rows, raw_datasets, block_bytes)
+    found = compare_output(output, template, rows, raw_datasets, block_bytes, opened)
     if found:
         more = f" (and {len(found) - MAX_LISTED} more)" if len(found) > MAX_LISTED else ""
         raise OutputMismatchError(
@@ -179,16 +200,58 @@ def _compare_format(out_fid: h5f.FileID, ref_fid: h5f.FileID, found: list[str]) 
                          f"{read(want)}")
 
 
-def _compare_userblock(out_fid: h5f.FileID, ref_fid: h5f.FileID, output: Path,
-                       template: Path, found: list[str]) -> None:
+def _compare_userblock(out_fid: h5f.FileID, ref_fid: h5f.FileID,
+                       output: tuple[Path, int | None], template: tuple[Path, int | None],
+                       found: list[str]) -> None:
     size = ref_fid.get_create_plist().get_userblock()
     if out_fid.get_create_plist().get_userblock() != size:
         found.append("the userblock size differs")
         return
-    if size:
-        with open(output, "rb") as a, open(template, "rb") as b:
-            if a.read(size) != b.read(size):
-                found.append("the userblock bytes differ")
+    if size and _head(*output, size) != _head(*template, size):
+        found.append("the userblock bytes differ")
+
+
+def _head(path: Path, fd: int | None, size: int) -> bytes:
+    """The first ``size`` bytes of the file open as ``fd`` (else at ``path``)."""
+    if fd is not None:
+        return os.pread(fd, size, 0)
+    with open(path, "rb") as file:
+        return file.read(size)
+
+
+def check_plan_output(plan: Plan) -> None:
+    """The whole-output check of a job: its output against its template, as planned.
+
+    Both files are opened through the run directory's descriptor (no link
+    followed at any level), the output checked to be the file the planner
+    made and the template to be the file the planner scanned, before and
+    after the comparison (so a template rewritten meanwhile is caught).
+
+    Raises
+    ------
+    OutputMismatchError
+        Listing the first differences.
+    CheckpointChangedError
+        If the template changed or was replaced, or the output was replaced.
+    """
+    reference = plan.reference_index()
+    template = Path(plan.reference_file)
+    with plan.open_run() as run:
+        out_fd = run.open_file(plan.job.temp, READ)
+        try:
+            check_descriptor(plan.job.temp, out_fd, plan.temp_inode)
+            ref_fd = open_unchanged(run, template, plan.stamp(reference), plan.job_id)
+            try:
+                check_output(plan.job.temp, template,
+                             rows={d.name: d.total for d in plan.datasets},
+                             raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
+                             block_bytes=plan.block_bytes, opened=(out_fd, ref_fd))
+                check_same(template, plan.stamp(reference), os.fstat(ref_fd),
+                           f"changed while job {plan.job_id} was running")
+            finally:
+                os.close(ref_fd)
+        finally:
+            os.close(out_fd)
 
 
 def _compare_object(name: str, ref_file: h5py.File, out_file: h5py.File, rows: dict[str, int],

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from chkq.errors import BadMessageError
 from chkq.naming import JobFiles
+from chkq.rundir import RunDir
 from chkq.stamps import FileStamp
 
 if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
@@ -110,7 +111,8 @@ class Plan:
     consolidation order, so that tasks can tell a file that changed since
     planning; ``reference_file`` is the final checkpoint's first file, the
     template of the output; ``temp_inode`` identifies the temporary output
-    the planner created; ``file_digests`` holds each file's
+    the planner created; ``out_dir_id`` is the run directory's device and
+    inode; ``file_digests`` holds each file's
     ``chkq.structure.FileScan.digest`` ("" where the scan took none);
     ``libver`` holds the library version bounds (h5py's ``libver``) under
     which the output is written (``chkq.skeleton.format_bounds``): every
@@ -130,12 +132,22 @@ class Plan:
     verify_units: list[list[int]]
     temp_inode: int = 0
     file_digests: list[str] = field(default_factory=list)
+    out_dir_id: list[int] = field(default_factory=list)
     libver: list[str] = field(default_factory=lambda: ["earliest", "latest"])
     version: int = PLAN_VERSION
 
     @property
     def job(self) -> JobFiles:
         return JobFiles(Path(self.out_dir), self.model, self.job_id)
+
+    def open_run(self) -> RunDir:
+        """The run directory, opened without following links and checked to be the planned one.
+
+        ``out_dir_id`` (``[device, inode]`` of the directory the planner
+        opened) makes a run directory moved or replaced since planning
+        refused, not entered.
+        """
+        return RunDir.open(self.out_dir, identity=self.out_dir_id or None, exact=True)
 
     @property
     def total_rows(self) -> int:
@@ -144,6 +156,10 @@ class Plan:
     def stamp(self, file_index: int) -> FileStamp:
         """The recorded identity of file ``file_index``."""
         return FileStamp(*self.files[file_index][1:])
+
+    def reference_index(self) -> int:
+        """The index in :attr:`files` of the template, :attr:`reference_file`."""
+        return next(i for i, f in enumerate(self.files) if f[0] == self.reference_file)
 
     def file_path(self, file_index: int) -> Path:
         return Path(self.files[file_index][0])

@@ -34,8 +34,9 @@ from chkq.plan import (
     cut_verify_units,
     offsets_of,
 )
+from chkq.rundir import RunDir
 from chkq.skeleton import create_skeleton, dataset_mode, output_access
-from chkq.stamps import FileStamp, check_same, stamp_of
+from chkq.stamps import FileStamp, check_same, open_unchanged, stamp_of
 from chkq.structure import (
     MIN_HOLD_BYTES,
     FileScan,
@@ -50,7 +51,8 @@ DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
 
 def describe_template(reference: Path, names: list[str], totals: dict[str, list[int]],
-                      block_bytes: int = DEFAULT_BLOCK_BYTES) -> list[DatasetPlan]:
+                      block_bytes: int = DEFAULT_BLOCK_BYTES,
+                      fd: int | None = None) -> list[DatasetPlan]:
     """Plan every extensible dataset from the template; refuse what cannot be copied exactly.
 
     Raises
@@ -61,7 +63,7 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
         what cannot be checked within ``block_bytes``
         (:func:`check_template_memory`).
     """
-    fid = open_checkpoint_id(reference)
+    fid = open_checkpoint_id(reference, fd)
     datasets = []
     try:
         for name in names:
@@ -177,8 +179,11 @@ class ScannedFile:
     stamp: FileStamp
 
 
-def find_run(directory: Path, model: str, *, allow_gaps: bool = False) -> list[Checkpoint]:
+def find_run(directory: Path, model: str, run: RunDir | None = None, *,
+             allow_gaps: bool = False) -> list[Checkpoint]:
     """The run's checkpoints, each holding at least one file, with no gap in their numbers.
+
+    ``run``: the directory, already open (planning reads the run through one descriptor).
 
     Raises
     ------
@@ -190,7 +195,7 @@ def find_run(directory: Path, model: str, *, allow_gaps: bool = False) -> list[C
     BadCheckpointError
         If a checkpoint directory holds no ``.h5`` file (a ValueError).
     """
-    checkpoints = find_checkpoints(directory, model)
+    checkpoints = find_checkpoints(directory, model, run)
     if not checkpoints:
         raise NoCheckpointsError(
             f"no checkpoints of model {model!r} in {str(directory)!r} "
@@ -273,7 +278,7 @@ def checkpoints_from_record(record: Any) -> list[Checkpoint]:
 
 
 def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
-    """The job's file names in a checked directory, refusing an existing output.
+    """The job's file names in a checked directory (resolved), refusing an existing output.
 
     Raises
     ------
@@ -282,7 +287,7 @@ def job_files(out_dir: str | Path, model: str, job_id: str) -> JobFiles:
     ValueError
         If the directory or the model name is bad.
     """
-    job = JobFiles(check_out_dir(out_dir), check_model_name(model), job_id)
+    job = JobFiles(Path(os.path.realpath(check_out_dir(out_dir))), check_model_name(model), job_id)
     if os.path.lexists(job.output):
         raise OutputExistsError(f"output {str(job.output)!r} exists; it is never overwritten")
     return job
@@ -293,25 +298,38 @@ def run_files(checkpoints: list[Checkpoint]) -> list[Path]:
     return [path for checkpoint in checkpoints for path in checkpoint.files]
 
 
-def scan_files(paths: list[Path]) -> list[ScannedFile]:
-    """Stamp and scan each file; the stamp is checked again after the scan.
+def scan_files(paths: list[Path], out_dir: str | Path,
+               run: RunDir | None = None) -> list[ScannedFile]:
+    """Stamp and scan each file of the run in ``out_dir``; the stamp is checked after the scan.
 
-    A file that changed while it was scanned is refused, so the rows the
-    scan counted belong to the version every later open is checked against.
+    Each file is opened once through the run directory's descriptor
+    (``run``, else ``out_dir``, resolved already, opened here), no link
+    followed at any level; its stamp
+    is the opened descriptor's, and HDF5 reads that descriptor. A file that
+    changed while it was scanned is refused, so the rows the scan counted
+    belong to the version every later open is checked against.
 
     Raises
     ------
     ValueError
-        If a file is incomplete, unreadable, not HDF5, or a symbolic link.
+        If a file is incomplete, unreadable, not HDF5, or a symbolic link
+        (or reached through one).
     CheckpointChangedError
         If a file changed while it was scanned.
     """
+    if run is None:
+        with RunDir.open(out_dir, exact=True) as opened:
+            return scan_files(paths, out_dir, opened)
     scanned = []
     for path in paths:
-        stamp = stamp_of(path)
-        scan = scan_file(path)
-        st = os.lstat(path)
-        check_same(path, stamp, st, "changed while it was being planned")
+        fd = run.open_file(path)
+        try:
+            stamp = stamp_of(path, os.fstat(fd))
+            scan = scan_file(path, fd=fd)
+            st = os.fstat(fd)
+            check_same(path, stamp, st, "changed while it was being planned")
+        finally:
+            os.close(fd)
         scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
         scanned.append(ScannedFile(scan, stamp))
     return scanned
@@ -373,28 +391,38 @@ def prepare(
         a symbolic link, or holds something chkq cannot copy exactly.
     """
     job = job_files(out_dir, model, job_id)
-    if run is None:
-        checkpoints = find_run(job.out_dir, model, allow_gaps=allow_gaps)
-        scanned = scan_files(run_files(checkpoints))
-    else:
-        checkpoints, scanned = run
-        if [s.scan.path for s in scanned] != run_files(checkpoints):
-            raise BadMessageError(f"the scans of job {job_id} do not match its checkpoint files")
-    scans = [s.scan for s in scanned]
-    check_same_structure(scans)
-    check_memory(scans, block_bytes)
-    reference = checkpoints[-1].files[0]
-    names = scans[0].extensible
-    datasets = describe_template(reference, names, {n: offsets_of(n, scans) for n in names},
-                                 block_bytes)
-    check_writable_dir(job.out_dir, "output directory")
-    job.temp.unlink(missing_ok=True)
-    layout, inode, bounds = create_skeleton(
-        job.temp, reference,
-        access=output_access([s.scan.access for s in scanned]),
-        rows={d.name: d.total for d in datasets},
-        raw={d.name for d in datasets if d.mode == "raw"},
-    )
+    with RunDir.open(job.out_dir, exact=True) as rundir:
+        if run is None:
+            checkpoints = find_run(job.out_dir, model, rundir, allow_gaps=allow_gaps)
+            scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
+        else:
+            checkpoints, scanned = run
+            if [s.scan.path for s in scanned] != run_files(checkpoints):
+                raise BadMessageError(
+                    f"the scans of job {job_id} do not match its checkpoint files")
+        scans = [s.scan for s in scanned]
+        check_same_structure(scans)
+        check_memory(scans, block_bytes)
+        reference = checkpoints[-1].files[0]
+        names = scans[0].extensible
+        reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
+        template = open_unchanged(rundir, reference, reference_stamp, job_id)
+        try:
+            datasets = describe_template(reference, names,
+                                         {n: offsets_of(n, scans) for n in names},
+                                         block_bytes, template)
+            check_writable_dir(job.out_dir, "output directory")
+            rundir.unlink(job.temp)
+            layout, inode, bounds = create_skeleton(
+                job.temp, reference,
+                access=output_access([s.scan.access for s in scanned]),
+                rows={d.name: d.total for d in datasets},
+                raw={d.name for d in datasets if d.mode == "raw"},
+                run=rundir, template=template,
+            )
+        finally:
+            os.close(template)
+        out_dir_id = rundir.identity()
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
         d.source_chunks = [_plain_offsets(scan, d) for scan in scans]
@@ -409,7 +437,7 @@ def prepare(
         out_dir=str(job.out_dir),
         cleanup=cleanup,
         block_bytes=block_bytes,
-        checkpoints=[[c.number, str(c.path), c.path.is_dir()] for c in checkpoints],
+        checkpoints=[[c.number, str(c.path), c.is_directory] for c in checkpoints],
         files=files,
         reference_file=str(reference),
         datasets=datasets,
@@ -417,5 +445,6 @@ def prepare(
         file_digests=[s.scan.digest for s in scanned],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
+        out_dir_id=out_dir_id,
         libver=list(bounds),
     )

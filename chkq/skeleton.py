@@ -34,10 +34,10 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
 
-from chkq.errors import OutputExistsError
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
-from chkq.structure import stored_chunks, walk_objects
+from chkq.rundir import CREATE, RunDir, fd_path
+from chkq.structure import open_checkpoint_id, stored_chunks, walk_objects
 from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
@@ -183,67 +183,46 @@ def _apply_access(fd: int, access: tuple[int, int, int]) -> None:
     os.fchmod(fd, mode)
 
 
-def copy_template(reference: Path, temp: Path, skip: list[tuple[int, int]] | None = None,
-                  access: tuple[int, int, int] = (0o600, -1, -1)) -> int:
-    """Copy ``reference``'s bytes to a new file ``temp``; return the new file's inode.
+def copy_template(src: int, out: int, skip: list[tuple[int, int]] | None = None) -> None:
+    """Copy the bytes of the file open as ``src`` to the new, empty file open as ``out``.
 
     Byte ranges ``(offset, size)`` in ``skip`` (rows that will be replaced)
-    are not copied: they stay holes. ``temp`` is created with
-    O_EXCL|O_NOFOLLOW: a file or symbolic link already there (planted by
-    whoever can write the run directory) is never followed or overwritten.
-    It is created 0600 and given ``access`` (:func:`output_access`) through
-    its descriptor before anything is written, so that it is never more
-    readable than the checkpoints, not even for a moment. The source is
-    opened without following a link.
+    are not copied: they stay holes.
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    out = os.open(temp, flags, 0o600)
-    try:
-        _apply_access(out, access)
-        src = os.open(reference, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            size = os.fstat(src).st_size
-            copier, at = ByteCopier(), 0
-            for offset, length in sorted(skip or []):
-                if offset > at:
-                    copier.copy(src, at, out, at, offset - at)
-                at = max(at, offset + length)
-            if size > at:
-                copier.copy(src, at, out, at, size - at)
-            os.ftruncate(out, size)
-        finally:
-            os.close(src)
-        return os.fstat(out).st_ino
-    finally:
-        os.close(out)
+    size = os.fstat(src).st_size
+    copier, at = ByteCopier(), 0
+    for offset, length in sorted(skip or []):
+        if offset > at:
+            copier.copy(src, at, out, at, offset - at)
+        at = max(at, offset + length)
+    if size > at:
+        copier.copy(src, at, out, at, size - at)
+    os.ftruncate(out, size)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
 FALLOC_FL_KEEP_SIZE = 1
 
 
-def reserve_space(path: Path, size: int) -> None:
-    """Reserve ``size`` bytes of disk for ``path`` now, so that a full disk fails here.
+def reserve_space(fd: int, path: Path, size: int) -> None:
+    """Reserve ``size`` bytes of disk for the file open as ``fd``, so that a full disk fails now.
 
     Without it, a disk that fills up while HDF5 writes (allocating the
     output) fails inside the library, which then cannot close the file; the
     reservation turns that into a clear ENOSPC before anything is written.
-    Filesystems that cannot reserve space are skipped silently.
+    Filesystems that cannot reserve space are skipped silently. ``path``
+    names the file in the message.
     """
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fallocate = getattr(_libc, "fallocate", None)
-        if fallocate is None:
-            return
-        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        if fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
-            return
-        error = ctypes.get_errno()
-        if error == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"no space left for the output ({size} bytes) next to "
-                          f"{str(path)!r}")
-    finally:
-        os.close(fd)
+    fallocate = getattr(_libc, "fallocate", None)
+    if fallocate is None:
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        return
+    error = ctypes.get_errno()
+    if error == errno.ENOSPC:
+        raise OSError(errno.ENOSPC, f"no space left for the output ({size} bytes) next to "
+                      f"{str(path)!r}")
 
 
 def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
@@ -326,9 +305,16 @@ def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
 
 
 def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[str],
-                    access: tuple[int, int, int] = (0o600, -1, -1)
-                    ) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
+                    access: tuple[int, int, int] = (0o600, -1, -1), *, run: RunDir,
+                    template: int) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
     """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
+
+    ``template`` is ``reference`` opened (and checked) by the caller: HDF5
+    and the byte copy read that descriptor, never the name. ``temp`` is
+    created through ``run`` with O_EXCL|O_NOFOLLOW (a file or symbolic link
+    already there, planted by whoever can write the run directory, is never
+    followed or overwritten), and HDF5 writes the created file through its
+    descriptor.
 
     Parameters
     ----------
@@ -350,21 +336,32 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
     FileExistsError
         If ``temp`` exists (or is a symbolic link).
     """
-    with h5py.File(reference, "r") as template:
-        has_references = _holds_references(template) if raw else False
-        bounds = format_bounds(template, sorted(raw))
+    with h5py.File(open_checkpoint_id(reference, template)) as source:
+        has_references = _holds_references(source) if raw else False
+        bounds = format_bounds(source, sorted(raw))
         recreated = {name for name in raw
-                     if _recreatable(template[name], has_references, bounds)}
-        skip = [r for name in recreated for r in _stored_ranges(template[name].id)]
-        row_bytes = {name: template[name].id.get_type().get_size()
-                     * int(np.prod(template[name].shape[1:], dtype=np.int64)) for name in rows}
-    inode = copy_template(reference, temp, skip, access)
-    reserve_space(temp, os.stat(reference).st_size
-                  + sum(total * row_bytes[name] for name, total in rows.items()))
+                     if _recreatable(source[name], has_references, bounds)}
+        skip = [r for name in recreated for r in _stored_ranges(source[name].id)]
+        row_bytes = {name: source[name].id.get_type().get_size()
+                     * int(np.prod(source[name].shape[1:], dtype=np.int64)) for name in rows}
+    fd = run.open_file(temp, CREATE, 0o600)
+    try:
+        _apply_access(fd, access)
+        copy_template(template, fd, skip)
+        inode = os.fstat(fd).st_ino
+        reserve_space(fd, temp, os.fstat(template).st_size
+                      + sum(total * row_bytes[name] for name, total in rows.items()))
+        layout = _resize(fd, rows, raw, recreated, bounds)
+    finally:
+        os.close(fd)
+    return layout, inode, bounds
+
+
+def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
+            bounds: tuple[str, str]) -> dict[str, list[int]]:
+    """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``."""
     layout: dict[str, list[int]] = {}
-    with h5py.File(temp, "r+", libver=bounds) as out:
-        if os.fstat(out.id.get_vfd_handle()).st_ino != inode:
-            raise OutputExistsError(f"{str(temp)!r} was replaced while the job created it")
+    with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
         for name, total in rows.items():
             dataset = out[name]
             if name in recreated:
@@ -377,4 +374,4 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
                     _allocate_by_writing(dsid)
             if name in raw:
                 layout[name] = chunk_offsets(dsid)
-    return layout, inode, bounds
+    return layout

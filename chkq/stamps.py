@@ -4,8 +4,9 @@ A run directory is writable by its owner, who is not trusted (SPEC "Trust
 model"): between planning and copying, a checkpoint could be rewritten in
 place (same size and inode, mtime restored) or replaced by a symbolic link
 to a file the worker may read and the owner may not. Each file a job uses
-is recorded when the job plans (size, mtime, ctime, inode, device; never
-through a symbolic link), and every later open checks the *opened*
+is recorded when the job plans (size, mtime, ctime, inode, device), from
+the descriptor the scan reads (opened through :mod:`chkq.rundir`, no link
+followed at any level), and every later open checks the *opened*
 descriptor against that record, so a swap between check and open is
 caught too.
 """
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from chkq.errors import BadCheckpointError, CheckpointChangedError
+from chkq.rundir import RunDir
 
 
 @dataclass(frozen=True)
@@ -38,15 +40,14 @@ class FileStamp:
         return [self.size, self.mtime_ns, self.ctime_ns, self.inode, self.device]
 
 
-def stamp_of(path: str | Path) -> FileStamp:
-    """The stamp of a regular file, refusing a symbolic link or anything else.
+def stamp_of(path: str | Path, st: os.stat_result) -> FileStamp:
+    """The stamp of a regular file from its ``fstat`` (or ``lstat``), refusing anything else.
 
     Raises
     ------
     ValueError
-        If ``path`` is a symbolic link or not a regular file.
+        If ``st`` is of a symbolic link or not of a regular file.
     """
-    st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
         raise BadCheckpointError(f"{str(path)!r} is a symbolic link: chkq does not follow links "
                          "in a run directory")
@@ -66,24 +67,19 @@ def _disappeared(path: str | Path, job: str) -> CheckpointChangedError:
         f"checkpoint file {str(path)!r} disappeared while job {job} was running")
 
 
-def check_unchanged(path: str | Path, expected: FileStamp, job: str) -> None:
-    """Raise CheckpointChangedError unless ``path`` (not followed) still has ``expected``."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        raise _disappeared(path, job) from None
-    check_same(path, expected, st, f"changed while job {job} was running")
+def open_unchanged(run: RunDir, path: str | Path, expected: FileStamp, job: str) -> int:
+    """Open ``path`` read-only through ``run``, no link followed, if it is still ``expected``.
 
-
-def open_unchanged(path: str | Path, expected: FileStamp, job: str) -> int:
-    """Open ``path`` read-only, without following a link, if it is still ``expected``.
-
-    Returns the descriptor; the caller closes it.
+    The identity compared is the opened descriptor's (``fstat``), so a swap
+    of any component between a check and the open is caught. Returns the
+    descriptor; the caller closes it.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = run.open_file(path)
     except FileNotFoundError:
         raise _disappeared(path, job) from None
+    except CheckpointChangedError:
+        raise
     except OSError as exc:
         raise CheckpointChangedError(
             f"checkpoint file {str(path)!r} cannot be opened as it was planned ({exc})") from None

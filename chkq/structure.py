@@ -19,9 +19,10 @@ import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... w
 import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5s, h5t, h5z
 
-from chkq.errors import BadCheckpointError
+from chkq.errors import BadCheckpointError, CheckpointChangedError
 from chkq.h5types import element_count, is_variable, type_key
 from chkq.rowio import digest_rows
+from chkq.rundir import fd_path
 
 COMPLETE_ATTR = "trials_completed"
 MAX_LISTED_DIFFERENCES = 5
@@ -78,21 +79,25 @@ class FileScan:
         return list(self.rows)
 
 
-def open_checkpoint(path: Path) -> h5py.File:
-    """Open a checkpoint file read-only, turning "not HDF5" into a ValueError naming it."""
-    try:
-        return h5py.File(path, "r")
-    except (OSError, ValueError) as exc:
-        raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or "
-                                 f"unreadable ({exc})") from None
+def open_checkpoint(path: Path, fd: int | None = None) -> h5py.File:
+    """Open a checkpoint file read-only, turning "not HDF5" into a ValueError naming it.
+
+    With ``fd`` (the file opened through :class:`chkq.rundir.RunDir`), HDF5
+    opens that descriptor's file (:func:`open_checkpoint_id`), not ``path``.
+    """
+    return h5py.File(open_checkpoint_id(path, fd))
 
 
-def open_checkpoint_id(path: Path) -> h5f.FileID:
+def open_checkpoint_id(path: Path, fd: int | None = None) -> h5f.FileID:
     """Open a checkpoint file read-only with the low-level API (about 15x cheaper than h5py.File).
 
     Planning, copying and verifying open every checkpoint file; with
     thousands of small files ``h5py.File``'s set-up dominated. The caller
-    closes the returned id (``fid.close()``).
+    closes the returned id (``fid.close()``). With ``fd``, HDF5 opens the
+    file open as ``fd`` through its magic link (``/proc/self/fd/N``), and
+    the file it opened is checked to be that one (device and inode): a
+    name swapped meanwhile is never read; ``path`` only names the file in
+    messages.
 
     Raises
     ------
@@ -100,10 +105,25 @@ def open_checkpoint_id(path: Path) -> h5f.FileID:
         If the file is not HDF5 or cannot be read, naming it.
     """
     try:
-        return h5f.open(os.fsencode(path), h5f.ACC_RDONLY)
+        fid = h5f.open(os.fsencode(path if fd is None else fd_path(fd)), h5f.ACC_RDONLY)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or "
                                  f"unreadable ({exc})") from None
+    if fd is not None:
+        try:
+            check_same_file(path, fd, fid.get_vfd_handle())
+        except BaseException:
+            fid.close()
+            raise
+    return fid
+
+
+def check_same_file(path: str | Path, fd: int, opened: int) -> None:
+    """Raise CheckpointChangedError unless descriptors ``fd`` and ``opened`` are one file."""
+    a, b = os.fstat(fd), os.fstat(opened)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        raise CheckpointChangedError(
+            f"{str(path)!r} was replaced by another file while HDF5 opened it")
 
 
 _SIGNATURES: dict[bytes, str] = {}
@@ -358,10 +378,12 @@ def _small_file_digest(
     return digest.hexdigest()
 
 
-def scan_file(path: Path, digest: bool = True) -> FileScan:
+def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileScan:
     """Open ``path`` once and record its skeleton, row counts, plain chunks and digest.
 
-    ``digest``: whether to digest a small file's rows (:attr:`FileScan.digest`).
+    ``digest``: whether to digest a small file's rows (:attr:`FileScan.digest`);
+    ``fd``: the file already opened, to be read instead of ``path``
+    (:func:`open_checkpoint_id`).
     Uses the low-level API (``H5Fopen``, :func:`walk_objects`, ``H5Dopen``): the
     high-level ``visititems`` built an h5py object per member and took
     ~1.6 ms a file, which dominated planning a run of thousands of files.
@@ -373,7 +395,7 @@ def scan_file(path: Path, digest: bool = True) -> FileScan:
         ``trials_completed`` root attribute).
     """
     scan = FileScan(path)
-    fid = open_checkpoint_id(path)
+    fid = open_checkpoint_id(path, fd)
     try:
         if not h5a.exists(fid, COMPLETE_ATTR.encode()):
             raise BadCheckpointError(

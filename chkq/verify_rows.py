@@ -18,14 +18,15 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5d, h5r
+from h5py import h5d, h5f, h5r
 
 from chkq import vlen
-from chkq.copy_rows import open_source
+from chkq.copy_rows import open_output_fd, open_source
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
 from chkq.plan import DatasetPlan, Plan
 from chkq.rowio import as_bytes, block_rows, digest_rows, read_into, read_rows, same_bytes
+from chkq.rundir import READ, RunDir, fd_path
 from chkq.stamps import check_descriptor
 from chkq.structure import open_checkpoint_id
 
@@ -197,7 +198,7 @@ def verify_files(
     """
     stats = VerifyStats()
     digests = digests or {}
-    out = open_checkpoint_id(plan.job.temp)
+    run, out_fd, out = _open_output(plan)
     try:
         check_descriptor(plan.job.temp, out.get_vfd_handle(), plan.temp_inode)
         outputs = [h5d.open(out, d.name.encode()) for d in plan.datasets]
@@ -218,7 +219,7 @@ def verify_files(
                 if progress:
                     progress(stats.rows)
                 continue
-            fid, fd = open_source(plan, file_index)
+            fid, fd = open_source(run, plan, file_index)
             try:
                 stats.files += 1
                 for i, d in enumerate(plan.datasets):
@@ -233,7 +234,7 @@ def verify_files(
                         _compare_plain(d, dsid, *windows.get(i, start, end), start, end, path)
                     else:
                         if high_level is None:
-                            high_level = h5py.File(plan.job.temp, "r")
+                            high_level = h5py.File(fd_path(out_fd), "r")
                         _compare_objects(plan, d, h5py.Dataset(dsid), high_level[d.name],
                                          start, end, path)
                     stats.rows += end - start
@@ -252,7 +253,24 @@ def verify_files(
             high_level.close()
     finally:
         out.close()
+        os.close(out_fd)
+        run.close()
     return stats
+
+
+def _open_output(plan: Plan) -> tuple[RunDir, int, h5f.FileID]:
+    """The run directory, the job's output (checked to be the planner's) and its HDF5 id."""
+    run = plan.open_run()
+    try:
+        fd = open_output_fd(run, plan, READ)
+        try:
+            return run, fd, open_checkpoint_id(plan.job.temp, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException:
+        run.close()
+        raise
 
 
 def file_digest(plan: Plan, file_index: int, windows: Windows) -> str:

@@ -52,7 +52,7 @@ from chkq.finalize import discard_job_files, link_output, remove_checkpoints
 from chkq.fsutil import WRITE_ERRNOS, write_failure
 from chkq.merge import merge_parts, remove_parts
 from chkq.naming import JobFiles, check_job_id
-from chkq.output_check import check_output
+from chkq.output_check import check_plan_output
 from chkq.plan import Plan
 from chkq.planner import (
     SCAN_FILES,
@@ -68,7 +68,7 @@ from chkq.planner import (
     scans_from_record,
     scans_to_record,
 )
-from chkq.stamps import check_unchanged
+from chkq.rundir import RunDir
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
 from chkq.tasks.protocol import (
@@ -268,7 +268,8 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bo
     recorded = protocol.recorded_run(job, out_dir, model)
     if recorded is None:
         job_files(out_dir, model, job)
-        checkpoints = find_run(Path(out_dir), model, allow_gaps=allow_gaps)
+        with RunDir.open(out_dir, exact=True) as run:
+            checkpoints = find_run(Path(out_dir), model, run, allow_gaps=allow_gaps)
         gap = check_numbering(checkpoints, model, allow_gaps=True)
         if gap:
             log.warning("job=%s %s (allowed by its submitter)", job, gap)
@@ -339,7 +340,7 @@ def scan(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     paths = _recorded_files(job, out_dir, model)
     units = scan_units(len(paths))
     first, stop = units[_checked_unit(unit, len(units), job, "scan")]
-    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop])))
+    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop], out_dir)))
     return {"files": stop - first}
 
 
@@ -408,13 +409,7 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
-    reference = next(i for i, f in enumerate(plan.files) if f[0] == plan.reference_file)
-    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
-    check_output(plan.job.temp, Path(plan.reference_file),
-                 rows={d.name: d.total for d in plan.datasets},
-                 raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
-                 block_bytes=plan.block_bytes)
-    check_unchanged(plan.reference_file, plan.stamp(reference), plan.job_id)
+    check_plan_output(plan)
     protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
@@ -451,7 +446,7 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         raise
     warnings = remove_checkpoints(plan) if plan.cleanup else []
     result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
-              "bytes": output.stat().st_size, "warnings": warnings}
+              "bytes": os.lstat(output).st_size, "warnings": warnings}
     record_finished(job, result)
     discard_job_files(plan.job)
     protocol.forget_progress(job)

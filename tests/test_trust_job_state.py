@@ -579,7 +579,7 @@ def test_without_signing_paths_from_records_stay_in_the_run(deployment: Deployme
     assert code == 1, output
     _no_success(deployment.run, output)
     assert "../../private/V_chk00004.h5" in output and "not a checkpoint file of model" in output
-    assert _wait_failed(deployment, job)["type"] == "ValueError"
+    assert _wait_failed(deployment, job)["type"] == "BadMessageError"
     assert snapshot(deployment.run) == before
     assert deployment.private.read_bytes() == private_before
     assert _files_holding(deployment.run.parent, deployment.marker) == []

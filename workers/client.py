@@ -65,6 +65,9 @@ PROGRESS_SECONDS = 0.25
 FIRST_WORKER_CHECK_SECONDS = 2.0
 WORKER_CHECK_SECONDS = 10.0
 INSPECT_SECONDS = 1.0
+#: A queue no worker answered for is asked about once more, waiting this long, before the
+#: client says so: a worker busy with a long task can miss a one-second broadcast.
+CONFIRM_SECONDS = 2.0
 
 #: The queue a job waits in, by the phase ``chkq status`` gives it.
 PHASE_QUEUES = {"queued": "chkq.control", "planning": "chkq.control", "copying": "chkq.copy",
@@ -365,7 +368,7 @@ class QueueWatch:
 
     def _tell_if_unserved(self, queue: str, phase: str) -> None:
         try:
-            if queue in served_queues():
+            if queue in served_queues() or queue in served_queues(CONFIRM_SECONDS):
                 return
         except Exception:  # noqa: BLE001 - advisory: the broker may be down, the client closing
             return

@@ -53,6 +53,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from chkq.errors import LogKeyError
+from chkq.rundir import CREATE
 
 __all__ = [
     "SIGNATURE_FIELD",
@@ -238,7 +239,7 @@ def generate_key_pair(directory: str | Path, name: str = "chkq-log") -> tuple[Pa
     for path in (private_path, public_path):
         if path.exists() or path.is_symlink():
             raise FileExistsError(f"{str(path)!r} exists; not overwritten")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = CREATE
     for path, data, mode in ((private_path, private, 0o600), (public_path, public, 0o644)):
         fd = os.open(path, flags, mode)
         with open(fd, "wb") as fh:

@@ -23,6 +23,7 @@ from chkq.errors import (
     BadNameError,
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
+from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 from chkq.stores.base import CheckpointStore, InvalidKeyError
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
@@ -35,9 +36,9 @@ MAX_KEY_DEPTH = 32
 TMP_DIR = ".chkq-tmp"
 """Top-level directory holding in-flight writes; never listed, never a valid key."""
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = DIRECTORY
+_TEMP_FLAGS = CREATE
+_READ_FLAGS = READ_NONBLOCK
 
 
 class LocalDirectoryStore(CheckpointStore):
