@@ -205,3 +205,25 @@ class StoreNotFoundError(ChkqError, LookupError):
 
 class SymlinkInStoreError(ChkqError, PermissionError):
     """A symbolic link stands where a store expects a directory or an object."""
+
+
+#: Failures that are the user's or the data's (a refused run, a changed or forged input, a
+#: missing file or store object), not a bug in chkq: workers log them as one WARNING line
+#: without a traceback; anything else keeps its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ChkqError, ValueError, LookupError, FileNotFoundError, FileExistsError,
+    NotADirectoryError, IsADirectoryError, PermissionError,
+)
+
+
+def is_user_error(kind: type[BaseException] | str) -> bool:
+    """Whether exceptions of ``kind`` (a class, or the name of a built-in or chkq class) are
+    the user's or the data's mistake rather than a bug (see :data:`USER_ERRORS`)."""
+    if isinstance(kind, str):
+        import builtins
+
+        found = globals().get(kind, getattr(builtins, kind, None))
+        if not (isinstance(found, type) and issubclass(found, BaseException)):
+            return False
+        kind = found
+    return issubclass(kind, USER_ERRORS)

@@ -20,6 +20,7 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     ChkqError,
     JobInterruptedError,
     PoisonMessageError,
+    is_user_error,
 )
 
 log = logging.getLogger("chkq.tasks")
@@ -106,6 +107,5 @@ class Timer:
         elif isinstance(exc, Ignore | Retry):
             log.info("skip %s", self._fields({"why": type(exc).__name__, "seconds": seconds}))
         else:
-            expected = isinstance(exc, ChkqError | ValueError | LookupError | OSError | TypeError)
-            (log.warning if expected else log.error)(
+            (log.warning if is_user_error(type(exc)) else log.error)(
                 "fail %s", self._fields({"error": repr(exc), "seconds": seconds}))

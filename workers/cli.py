@@ -28,7 +28,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from chkq import __version__
-from chkq.errors import ConfigurationError
+from chkq.errors import ConfigurationError, is_user_error
 
 if TYPE_CHECKING:
     from chkq.workers.client import ConsolidationJob, Progress
@@ -50,18 +50,6 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
 
 #: Signals that end a command cleanly (its children and temporaries go with it).
 ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-#: Exceptions that are the user's mistake or the data's, not a bug in chkq: workers
-#: log them as one WARNING line, without a traceback.
-USER_ERRORS: frozenset[str] = frozenset({
-    "FileNotFoundError", "FileExistsError", "NotADirectoryError", "IsADirectoryError",
-    "PermissionError", "ValueError", "CheckpointCorruptionError", "JobInterruptedError",
-    "JobCancelledError", "BadNameError", "RunNotFoundError", "RunNotADirectoryError",
-    "OutputExistsError", "OutputNotWritableError", "OutputWriteError", "NoCheckpointsError",
-    "CheckpointGapError", "BadCheckpointError", "BadMessageError", "BadMessageTypeError",
-    "JobStateGoneError", "SourceNotFoundError", "CheckpointNotFoundError",
-})
-
 
 class Interrupted(KeyboardInterrupt):
     """The command was asked to stop by signal ``signum`` (SIGINT, SIGTERM or SIGHUP).
@@ -221,7 +209,7 @@ class UserErrorFilter(logging.Filter):
     unexpected`` with its traceback, and chkq's tasks log ``fail ...`` at
     ERROR: a refused run (no checkpoints, output exists, a corrupt file) is
     not a bug, and a traceback only hides the one line that matters. Records
-    about exceptions whose type is in :data:`USER_ERRORS` are turned into
+    about exceptions that :func:`chkq.errors.is_user_error` accepts are turned into
     WARNINGs without traceback; anything else (bugs) is left alone. (The task
     layer could say so itself, with ``Task.throws``.)
     """
@@ -243,13 +231,13 @@ class UserErrorFilter(logging.Filter):
     @staticmethod
     def _about_user_error(record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[0] is not None:
-            return record.exc_info[0].__name__ in USER_ERRORS
+            return is_user_error(record.exc_info[0])
         args = record.args.values() if isinstance(record.args, dict) else (record.args or ())
         for arg in args:
             if isinstance(arg, BaseException):
-                return type(arg).__name__ in USER_ERRORS
+                return is_user_error(type(arg))
         match = UserErrorFilter._ERROR_FIELD.search(record.getMessage())
-        return bool(match and match.group(1) in USER_ERRORS)
+        return bool(match and is_user_error(match.group(1)))
 
 
 #: Loggers whose records :class:`UserErrorFilter` vets in workers.
