@@ -451,8 +451,10 @@ def _check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) -
 
 
 def output_stamp(plan: Plan) -> list[int]:
-    """The stamp of the job's temporary output now (not following a link)."""
-    return FileStamp.of(os.lstat(plan.job.temp)).as_list()
+    """The stamp of the job's temporary output now, looked up from the planned run directory
+    down without following a link at any level."""
+    with plan.open_run() as run:
+        return FileStamp.of(run.lstat(plan.job.temp)).as_list()
 
 
 def record_run(job: str, out_dir: str, model: str, checkpoints: list[Any]) -> list[Any]:
