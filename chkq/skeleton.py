@@ -39,7 +39,7 @@ from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
 from chkq.rundir import CREATE, RunDir, fd_path
 from chkq.structure import open_checkpoint_id, stored_chunks, walk_objects
-from chkq.vlen import object_comment, reclaim
+from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024
@@ -284,7 +284,7 @@ def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
     space = h5s.create_simple((rows, *old.shape[1:]), maxdims)
     dsid = h5d.create(out.id, None, tid, space, dcpl=dcpl)
     copy_attributes(old, h5py.Dataset(dsid))
-    comment = object_comment(old.id)
+    comment = out.id.get_comment(name.encode())
     if comment:
         h5o.set_comment(dsid, comment)
     return dsid

@@ -8,7 +8,6 @@ type as the memory type into a buffer of HDF5's memory descriptors
 (``hvl_t`` for sequences, ``char *`` for strings), writes that buffer to the
 output with the same type, and frees what HDF5 allocated with
 ``H5Treclaim``. Comparison reads the bytes each descriptor points to.
-The same binding to the library reads object comments.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from contextlib import contextmanager
 import h5py
 import numpy as np
 from h5py import h5d, h5s, h5t
-from h5py._objects import ObjectID
 
 from chkq.h5types import is_variable
 
@@ -34,8 +32,6 @@ def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(found[0] if found else "libhdf5.so", mode=ctypes.RTLD_GLOBAL)
     lib.H5Treclaim.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.H5Treclaim.restype = ctypes.c_int
-    lib.H5Oget_comment.argtypes = [ctypes.c_int64, ctypes.c_char_p, ctypes.c_size_t]
-    lib.H5Oget_comment.restype = ctypes.c_ssize_t
     return lib
 
 
@@ -50,26 +46,6 @@ def reclaim(tid: h5t.TypeID, space: h5s.SpaceID, buffer: np.ndarray) -> None:
         _LIB = _library()
     if _LIB.H5Treclaim(tid.id, space.id, H5P_DEFAULT, buffer.ctypes.data) < 0:
         raise RuntimeError("H5Treclaim failed")
-
-
-def object_comment(obj: ObjectID) -> bytes:
-    """The comment of an object (``H5Oset_comment``), empty when it has none.
-
-    h5py's ``h5o.get_comment`` returns uninitialised bytes, so the library is
-    asked directly.
-    """
-    global _LIB  # noqa: PLW0603 - loaded once, on first use
-    if _LIB is None:
-        _LIB = _library()
-    size = _LIB.H5Oget_comment(obj.id, None, 0)
-    if size < 0:
-        raise RuntimeError("H5Oget_comment failed")
-    if size == 0:
-        return b""
-    buffer = ctypes.create_string_buffer(size + 1)
-    if _LIB.H5Oget_comment(obj.id, buffer, size + 1) < 0:
-        raise RuntimeError("H5Oget_comment failed")
-    return buffer.raw[:size]
 
 
 @contextmanager
