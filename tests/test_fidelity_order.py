@@ -59,6 +59,9 @@ def ordered(f: h5py.File, n: int) -> None:
     extensible(f, "alpha", n, compression="gzip")
     f["soft"] = h5py.SoftLink("/fixed")
     extensible(f, "mid", n)
+    f["température"] = np.arange(2)
+    f["alias"] = f["fixed"]
+    f["elsewhere"] = h5py.ExternalLink("other.h5", "/x")
     group = f.create_group("group", track_order=True)
     with_attributes(group, ATTRIBUTES[::-1])
     for i, name in enumerate(SHUFFLED):
@@ -188,8 +191,8 @@ def _check(output: Path, template: Path) -> None:
 
 def reinsert(group: h5py.Group, name: str) -> None:
     """Move link ``name`` away and back: HDF5 then counts it as created last."""
-    group.id.links.move(name.encode(), group.id, b"elsewhere")
-    group.id.links.move(b"elsewhere", group.id, name.encode())
+    group.id.links.move(name.encode(), group.id, b"moved")
+    group.id.links.move(b"moved", group.id, name.encode())
 
 
 def recreate_attribute(obj: h5py.HLObject, name: str) -> None:
