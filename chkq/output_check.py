@@ -37,6 +37,8 @@ from chkq.stamps import check_descriptor, check_same, open_unchanged
 from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES, open_checkpoint_id
 
 MAX_LISTED = 5
+#: Object header flag (version 2 headers): the object tracks its attributes' creation order.
+_ATTR_ORDER_TRACKED = 0x04
 #: Bytes the check may hold at once when no block size is given (a task's ``block_bytes``).
 BLOCK_BYTES = 64 * 1024 * 1024
 #: Most variable-length elements read at once (their size in memory is not known ahead).
@@ -546,9 +548,12 @@ def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.Fi
     a, b = names(expected), names(actual)
     if a.keys() == b.keys():
         order = (_attribute_order(expected, a), _attribute_order(actual, b))
-        if order[0] != order[1]:
+        if (order[0] is None) != (order[1] is None):
+            found.append(f"{name!r} {'does not track' if order[1] is None else 'tracks'} the "
+                         "creation order of its attributes, unlike in the template")
+        elif order[0] != order[1]:
             found.append(f"the attributes of {name!r} are in another creation order: "
-                         f"{[n for n, _ in order[1]]}, expected {[n for n, _ in order[0]]}")
+                         f"{order[1]}, expected {order[0]}")
     for key in sorted(a.keys() | b.keys()):
         label = key.decode("utf-8", "surrogateescape")
         if key not in b:
@@ -563,19 +568,19 @@ def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.Fi
             found.append(f"attribute {label!r} of {name!r} differs")
 
 
-def _attribute_order(obj: Any, indexes: dict[bytes, int]) -> list[tuple[str, bool]]:
-    """Attribute names in creation order where it is tracked (then by name), each with whether.
+def _attribute_order(obj: Any, indexes: dict[bytes, int]) -> list[str] | None:
+    """Attribute names in creation order, or None if the object does not track that order.
 
-    ``indexes`` maps each name to its index by name.
+    ``indexes`` maps each name to its index by name. (HDF5 also numbers
+    the attributes of an object that tracks no order, by their place in
+    its header; no reader lists them by it, so it is not compared.)
     """
-    infos = {key: h5a.get_info(obj, index=i) for key, i in indexes.items()}
-
-    def rank(key: bytes) -> tuple[bool, int, bytes]:
-        tracked = bool(infos[key].corder_valid)
-        return (not tracked, infos[key].corder if tracked else 0, key)
-
-    return [(key.decode("utf-8", "surrogateescape"), bool(infos[key].corder_valid))
-            for key in sorted(indexes, key=rank)]
+    header = h5o.get_info(obj).hdr
+    if header.version < 2 or not header.flags & _ATTR_ORDER_TRACKED:
+        return None
+    corder = {key: h5a.get_info(obj, index=i).corder for key, i in indexes.items()}
+    ranked = sorted(indexes, key=corder.__getitem__)
+    return [key.decode("utf-8", "surrogateescape") for key in ranked]
 
 
 def _values(read: Callable[[], Any]) -> Any:
