@@ -17,7 +17,11 @@ raw-mode dataset that nothing else can tell apart from a new one (a single
 link, no references in the file) is recreated with EARLY allocation instead (the
 *allocation time* is then the only property that differs from the
 template, and the template's rows stay behind as unused space), and any
-other is resized in place and allocated by writing it. The rows of a
+other is resized in place and allocated by writing it. A recreated dataset
+is created anonymously (no staging name that could collide with one in the
+file), with the old one's attributes in their creation order and its
+comment, and linked in the old one's place; in a group that tracks link
+creation order, the links created after it are inserted again in order. The rows of a
 recreated dataset are not even copied from the template: they stay holes
 in the file, so they cost neither time nor disk.
 """
@@ -318,7 +322,11 @@ def _replace_links(group: h5g.GroupID, new: dict[bytes, h5d.DatasetID]) -> None:
     link keeps its name's character set.
     """
     order = _creation_order(group)
-    later = list(new) if order is None else order[min(map(order.index, new)):]
+    if order is None:
+        later = list(new)
+    else:
+        first = min(i for i, name in enumerate(order) if name in new)
+        later = order[first:]
     staging: bytes | None = None
     for name in later:
         lcpl = h5p.create(h5p.LINK_CREATE)
