@@ -212,16 +212,19 @@ def recreate_attribute(obj: h5py.HLObject, name: str) -> None:
      r"the attributes of '/zeta' are in another creation order: \['axis'"),
     (lambda f: recreate_attribute(f["low"], "y"),
      r"the attributes of '/low' are in another creation order: \['x'"),
+    (lambda f: recreate_attribute(f, "b"),
+     r"the attributes of '/' are in another creation order: \['a'"),
     (lambda f: h5o.set_comment(f["group"].id, b"another"), r"object '/group' has another comment"),
     (lambda f: h5o.set_comment(f["zeta"].id, b"new"), r"object '/zeta' has another comment"),
     (lambda f: h5o.set_comment(f.id, b"new"), r"object '/' has another comment"),
 ], ids=["root-link", "group-link", "tracked-only-link", "attribute", "group-attribute",
-        "changed-comment", "added-comment", "root-comment"])
+        "root-attribute", "changed-comment", "added-comment", "root-comment"])
 def test_the_whole_output_check_compares_creation_order_and_comments(
         tmp_path: Path, tamper: Callable[[h5py.File], object], message: str) -> None:
     template = tmp_path / "template.h5"
     with h5py.File(template, "w", track_order=True) as f:
         ordered(f, 1)
+        with_attributes(f, ["b", "a"])
         h5o.set_comment(f["group"].id, b"diagnostics")
     output = tmp_path / "output.h5"
     shutil.copyfile(template, output)
