@@ -3,8 +3,11 @@
 Row verification (``chkq.verify_rows``) proves the rows of extensible
 datasets. This module proves everything else before the output is linked:
 the output must equal the template (the final checkpoint's first file) in
-every link (hard, soft, external; which names share one object), object
-kind, committed datatype, attribute (name, type, dataspace, bytes), dataset
+every link (hard, soft, external; which names share one object), the
+creation order of links and attributes wherever it is tracked (as the
+order, not the numbers: HDF5 numbers a link anew whenever it is inserted),
+object kind, object comment, committed datatype, attribute (name, type,
+dataspace, bytes), dataset
 type, dataspace, creation properties and, for fixed datasets, values;
 extensible datasets must have the planned row count; the userblock must
 match. References compare by the name of the object they point to.
@@ -24,7 +27,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5r, h5s, h5t, h5z
+from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5r, h5s, h5t, h5z
 
 from chkq.errors import OutputMismatchError
 from chkq.h5types import is_variable
@@ -34,6 +37,8 @@ from chkq.stamps import check_descriptor, check_same, open_unchanged
 from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES, open_checkpoint_id
 
 MAX_LISTED = 5
+#: Object header flag (version 2 headers): the object tracks its attributes' creation order.
+_ATTR_ORDER_TRACKED = 0x04
 #: Bytes the check may hold at once when no block size is given (a task's ``block_bytes``).
 BLOCK_BYTES = 64 * 1024 * 1024
 #: Most variable-length elements read at once (their size in memory is not known ahead).
@@ -46,6 +51,9 @@ class FileModel:
 
     links: dict[str, tuple[Any, ...]] = field(default_factory=dict)
     objects: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Per group (by the name it is first reached under): its link and attribute creation
+    #: order flags, and its links' names in creation order where it tracks that order.
+    groups: dict[str, tuple[int, int, list[str] | None]] = field(default_factory=dict)
 
     def aliases(self) -> set[frozenset[str]]:
         """Hard-linked names grouped by the object they name."""
@@ -72,6 +80,13 @@ def _walk(fid: h5f.FileID, where: str) -> FileModel:
         group = h5g.open(fid, path.encode("utf-8", "surrogateescape") if path else b"/")
         names: list[bytes] = []
         group.links.iterate(names.append)
+        gcpl = group.get_create_plist()
+        link_order = gcpl.get_link_creation_order()
+        created = None
+        if link_order & h5p.CRT_ORDER_TRACKED:
+            created = [name.decode("utf-8", "surrogateescape") for name in
+                       sorted(names, key=lambda name: group.links.get_info(name).corder)]
+        model.groups[path or "/"] = (link_order, gcpl.get_attr_creation_order(), created)
         stack.append((group, path, names, 0))
 
     enter("")
@@ -152,8 +167,11 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
         if expected.aliases() != actual.aliases():
             found.append("hard links name other objects than in the template: "
                          f"{sorted(map(sorted, expected.aliases() ^ actual.aliases()))[:3]}")
+        for name in sorted(expected.groups.keys() & actual.groups.keys()):
+            _compare_group(name, expected.groups[name], actual.groups[name], found)
         ref_file, out_file = h5py.File(ref_fid), h5py.File(out_fid)
         _compare_attributes("/", ref_file.id, out_file.id, ref_file, out_file, found)
+        _compare_comment("/", ref_file, out_file, found)
         done: set[tuple[int, int]] = set()
         for name in sorted(expected.objects):
             identity = expected.objects[name]
@@ -185,6 +203,28 @@ def check_output(output: Path, template: Path, rows: dict[str, int],
         raise OutputMismatchError(
             f"the output differs from its template {str(template)!r}: "
             + "; ".join(found[:MAX_LISTED]) + more)
+
+
+def _compare_group(name: str, want: tuple[int, int, list[str] | None],
+                   got: tuple[int, int, list[str] | None], found: list[str]) -> None:
+    """Same creation order flags and, where link creation order is tracked, the same order."""
+    if want[:2] != got[:2]:
+        found.append(f"group {name!r} has link and attribute creation order flags {got[:2]}, "
+                     f"expected {want[:2]}")
+    elif want[2] is not None and got[2] is not None and want[2] != got[2]:
+        at = next((i for i, (a, b) in enumerate(zip(want[2], got[2], strict=False))
+                   if a != b), min(len(want[2]), len(got[2])))
+        found.append(f"group {name!r} lists its links in another creation order: "
+                     f"{got[2][at:at + 3]} from position {at} on, expected "
+                     f"{want[2][at:at + 3]}")
+
+
+def _compare_comment(name: str, ref_file: h5py.File, out_file: h5py.File,
+                     found: list[str]) -> None:
+    """Same object comment (``H5Oset_comment``; h5py's ``h5o.get_comment`` is unreliable)."""
+    raw = name.encode("utf-8", "surrogateescape")
+    if ref_file.id.get_comment(raw) != out_file.id.get_comment(raw):
+        found.append(f"object {name!r} has another comment")
 
 
 def _compare_format(out_fid: h5f.FileID, ref_fid: h5f.FileID, found: list[str]) -> None:
@@ -263,6 +303,7 @@ def _compare_object(name: str, ref_file: h5py.File, out_file: h5py.File, rows: d
         found.append(f"object {name!r} has an object header of version {versions[1]}, "
                      f"expected {versions[0]}")
     _compare_attributes(name, expected, actual, ref_file, out_file, found)
+    _compare_comment(name, ref_file, out_file, found)
     if isinstance(expected, h5t.TypeID):
         if not isinstance(actual, h5t.TypeID) or expected.encode() != actual.encode():
             found.append(f"committed datatype {name!r} differs")
@@ -480,7 +521,7 @@ def _compare_encoded_chunks(name: str, expected: h5d.DatasetID, actual: h5d.Data
 
 def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.File,
                         out_file: h5py.File, found: list[str]) -> None:
-    """Same attribute names, types, dataspaces and bytes (values for pointer types).
+    """Same attribute names, creation order, types, dataspaces and bytes (values for pointers).
 
     One attribute of each side is held at a time (an object may carry
     many large ones, and HDF5 reads an attribute only whole).
@@ -505,6 +546,14 @@ def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.Fi
         return (tid.encode(), tid.committed(), kind, dims, value, cset)
 
     a, b = names(expected), names(actual)
+    if a.keys() == b.keys():
+        order = (_attribute_order(expected, a), _attribute_order(actual, b))
+        if (order[0] is None) != (order[1] is None):
+            found.append(f"{name!r} {'does not track' if order[1] is None else 'tracks'} the "
+                         "creation order of its attributes, unlike in the template")
+        elif order[0] != order[1]:
+            found.append(f"the attributes of {name!r} are in another creation order: "
+                         f"{order[1]}, expected {order[0]}")
     for key in sorted(a.keys() | b.keys()):
         label = key.decode("utf-8", "surrogateescape")
         if key not in b:
@@ -517,6 +566,21 @@ def _compare_attributes(name: str, expected: Any, actual: Any, ref_file: h5py.Fi
         got = read(actual, b[key], out_file)
         if not (want[:4] == got[:4] and want[5] == got[5] and _same_values(want[4], got[4])):
             found.append(f"attribute {label!r} of {name!r} differs")
+
+
+def _attribute_order(obj: Any, indexes: dict[bytes, int]) -> list[str] | None:
+    """Attribute names in creation order, or None if the object does not track that order.
+
+    ``indexes`` maps each name to its index by name. (HDF5 also numbers
+    the attributes of an object that tracks no order, by their place in
+    its header; no reader lists them by it, so it is not compared.)
+    """
+    header = h5o.get_info(obj).hdr
+    if header.version < 2 or not header.flags & _ATTR_ORDER_TRACKED:
+        return None
+    corder = {key: h5a.get_info(obj, index=i).corder for key, i in indexes.items()}
+    ranked = sorted(indexes, key=corder.__getitem__)
+    return [key.decode("utf-8", "surrogateescape") for key in ranked]
 
 
 def _values(read: Callable[[], Any]) -> Any:

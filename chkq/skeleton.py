@@ -17,7 +17,11 @@ raw-mode dataset that nothing else can tell apart from a new one (a single
 link, no references in the file) is recreated with EARLY allocation instead (the
 *allocation time* is then the only property that differs from the
 template, and the template's rows stay behind as unused space), and any
-other is resized in place and allocated by writing it. The rows of a
+other is resized in place and allocated by writing it. A recreated dataset
+is created anonymously (no staging name that could collide with one in the
+file), with the old one's attributes in their creation order and its
+comment, and linked in the old one's place; in a group that tracks link
+creation order, the links created after it are inserted again in order. The rows of a
 recreated dataset are not even copied from the template: they stay holes
 in the file, so they cost neither time nor disk.
 """
@@ -28,11 +32,12 @@ import contextlib
 import ctypes
 import errno
 import os
+import secrets
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5, h5a, h5d, h5o, h5p, h5s, h5t
+from h5py import h5, h5a, h5d, h5g, h5o, h5p, h5s, h5t
 
 from chkq.h5types import has_reference, is_variable, opaque_dtype
 from chkq.rowio import ByteCopier
@@ -270,23 +275,69 @@ def _recreatable(dataset: h5py.Dataset, file_has_references: bool,
 
 
 def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
-    """Replace dataset ``name`` by an identical one of ``rows`` rows, every chunk allocated."""
+    """A new, unlinked dataset identical to ``name`` but ``rows`` long, every chunk allocated.
+
+    Its attributes (in their creation order) and comment are the old
+    one's; :func:`_replace_links` links it in place of the old one.
+    """
     old = out[name]
-    parent_name, _, leaf = name.rpartition("/")
-    parent = out[parent_name or "/"]
-    lcpl = h5p.create(h5p.LINK_CREATE)
-    lcpl.set_char_encoding(parent.id.links.get_info(leaf.encode()).cset)
     dcpl = old.id.get_create_plist()
     dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
     tid = old.id.get_type()
     maxdims = old.id.get_space().get_simple_extent_dims(True)
     space = h5s.create_simple((rows, *old.shape[1:]), maxdims)
-    staging = f".chkq-new-{leaf}".encode()
-    dsid = h5d.create(parent.id, staging, tid, space, dcpl=dcpl, lcpl=lcpl)
+    dsid = h5d.create(out.id, None, tid, space, dcpl=dcpl)
     copy_attributes(old, h5py.Dataset(dsid))
-    del parent[leaf]
-    parent.id.links.move(staging, parent.id, leaf.encode(), lcpl=lcpl)
+    comment = out.id.get_comment(name.encode())
+    if comment:
+        h5o.set_comment(dsid, comment)
     return dsid
+
+
+def _absent_name(group: h5g.GroupID) -> bytes:
+    """A link name ``group`` does not hold (the skeleton is private: it stays absent)."""
+    while True:
+        name = f".chkq-staging-{secrets.token_hex(8)}".encode()
+        if not group.links.exists(name):
+            return name
+
+
+def _creation_order(group: h5g.GroupID) -> list[bytes] | None:
+    """The names of ``group``'s links in creation order, or None if it tracks none."""
+    if not group.get_create_plist().get_link_creation_order() & h5p.CRT_ORDER_TRACKED:
+        return None
+    names: list[bytes] = []
+    group.links.iterate(names.append)
+    return sorted(names, key=lambda name: group.links.get_info(name).corder)
+
+
+def _replace_links(group: h5g.GroupID, new: dict[bytes, h5d.DatasetID]) -> None:
+    """Point each link of ``group`` that ``new`` names at its new dataset, in the same place.
+
+    HDF5 gives a link the next creation order number whenever it is
+    inserted (created, or moved, even back to its own name), so in a group
+    that tracks creation order every link created after the first one
+    replaced is inserted again, in the original order: readers that list
+    the group by creation order (h5py does) see the template's order. Each
+    link keeps its name's character set.
+    """
+    order = _creation_order(group)
+    if order is None:
+        later = list(new)
+    else:
+        first = min(i for i, name in enumerate(order) if name in new)
+        later = order[first:]
+    staging: bytes | None = None
+    for name in later:
+        lcpl = h5p.create(h5p.LINK_CREATE)
+        lcpl.set_char_encoding(group.links.get_info(name).cset)
+        if name in new:
+            group.unlink(name)
+            h5o.link(new[name], group, name, lcpl=lcpl)
+        else:
+            staging = staging or _absent_name(group)
+            group.links.move(name, group, staging, lcpl=lcpl)
+            group.links.move(staging, group, name, lcpl=lcpl)
 
 
 def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
@@ -362,10 +413,13 @@ def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
     """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``."""
     layout: dict[str, list[int]] = {}
     with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
+        replaced: dict[str, dict[bytes, h5d.DatasetID]] = {}
         for name, total in rows.items():
             dataset = out[name]
             if name in recreated:
                 dsid = _recreate_early(out, name, total)
+                parent, _, leaf = name.rpartition("/")
+                replaced.setdefault(parent or "/", {})[leaf.encode()] = dsid
             else:
                 dsid = dataset.id
                 dataset.resize(total, axis=0)
@@ -374,4 +428,6 @@ def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
                     _allocate_by_writing(dsid)
             if name in raw:
                 layout[name] = chunk_offsets(dsid)
+        for parent, new in replaced.items():
+            _replace_links(out[parent].id, new)
     return layout

@@ -88,6 +88,11 @@ def open_checkpoint(path: Path, fd: int | None = None) -> h5py.File:
     return h5py.File(open_checkpoint_id(path, fd))
 
 
+#: What HDF5 says when a file is marked open for writing (superblock status flags, left set
+#: by a writer that has not closed it) or locked by a writer.
+_OPEN_FOR_WRITE = ("file is already open for write", "unable to lock file")
+
+
 def open_checkpoint_id(path: Path, fd: int | None = None) -> h5f.FileID:
     """Open a checkpoint file read-only with the low-level API (about 15x cheaper than h5py.File).
 
@@ -102,11 +107,18 @@ def open_checkpoint_id(path: Path, fd: int | None = None) -> h5f.FileID:
     Raises
     ------
     ValueError
-        If the file is not HDF5 or cannot be read, naming it.
+        If the file is not HDF5 or cannot be read, or is still open for
+        writing, naming it.
     """
     try:
         fid = h5f.open(os.fsencode(path if fd is None else fd_path(fd)), h5f.ACC_RDONLY)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        if any(sign in str(exc) for sign in _OPEN_FOR_WRITE):
+            raise BadCheckpointError(
+                f"cannot read checkpoint file {str(path)!r}: it is still open for writing, "
+                "or its writer stopped without closing it (then it may be incomplete or "
+                "damaged; `h5clear -s` clears the mark once no writer is left) "
+                f"({exc})") from None
         raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: not HDF5 or "
                                  f"unreadable ({exc})") from None
     if fd is not None:
