@@ -74,6 +74,8 @@ def checkpoint_source(path: Any) -> Path:
         If the resolved path (links and ``..`` followed) is outside
         ``CHKQ_ALLOWED_ROOTS``.
     """
+    if path is None:
+        raise BadMessageTypeError("commit path is missing")
     if not isinstance(path, str):
         raise BadMessageTypeError(f"commit path must be a string, got {type(path).__name__}")
     if "\x00" in path:
@@ -93,8 +95,8 @@ def checkpoint_source(path: Any) -> Path:
     retry_jitter=True,
     max_retries=MAX_RETRIES,
 )
-def commit(self: ChkqTask, store_url: str, run: str, path: str, **options: Any
-           ) -> dict[str, Any]:
+def commit(self: ChkqTask, store_url: str, run: str, path: str | None = None,
+           **options: Any) -> dict[str, Any]:
     """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
     ``options`` are the fields of :class:`chkq.commits.CommitOptions` a
@@ -105,7 +107,9 @@ def commit(self: ChkqTask, store_url: str, run: str, path: str, **options: Any
     guards against a file changed since, among them. Every argument is
     checked (unknown names, types, ids, the resolved store directory and file
     against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written; the
-    source file is only read, never removed.
+    source file is only read, never removed. ``path`` has a default only so
+    that the task, not Celery's argument binding, reports what is wrong with a
+    message: the options first (an unknown one by its name), then a missing path.
     """
     self.check_deliveries()
     wanted = CommitOptions.from_json(options)
