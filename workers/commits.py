@@ -142,14 +142,7 @@ def submit_commit(store_url: str, run: str, path: str | Path,
     worker records itself). The path must be readable by the workers (shared
     storage) and, where the workers set ``CHKQ_ALLOWED_ROOTS``, inside those
     roots; the workers resolve it (links, ``..``) and read it, and never
-    remove it.
-
-    Raises
-    ------
-    ValueError
-        For a malformed store URL, run id or option.
-    FileNotFoundError
-        If ``path`` is not a file here.
+    remove it. Raises what :func:`commit_signature` raises, before sending.
     """
     return commit_signature(store_url, run, path, options, **changes).apply_async()
 

@@ -12,6 +12,7 @@ one log.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -77,3 +78,20 @@ def launch_worker(name: str, *, log: IO[bytes] | int, env: Mapping[str, str],
     argv = [*prefix, *worker_command(concurrency, queues, name, loglevel, peers=peers)]
     return subprocess.Popen(argv, env=dict(env), stdin=subprocess.DEVNULL, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, **popen)
+
+
+def kill_worker(process: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGKILL a worker started by :func:`launch_worker` with its pool at once (a node lost)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout)
+
+
+def stop_worker(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """Warm shutdown of a worker's whole group (SIGTERM); killed if not gone within ``grace``."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            kill_worker(process)

@@ -8,8 +8,6 @@ the session on a free port.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ from chkq.config.celery_app import close_app, get_app, make_app, use_app
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.embedded import drop_result_subscriptions
-from chkq.workers.launch import launch_worker, worker_environment
+from chkq.workers.launch import kill_worker, launch_worker, stop_worker, worker_environment
 
 
 @pytest.fixture(scope="session")
@@ -73,18 +71,11 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_worker(self.process)
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool, as when a node dies."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        kill_worker(self.process)
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from chkq.workers.broker import free_port
-from chkq.workers.launch import launch_worker
+from chkq.workers.launch import kill_worker, launch_worker, stop_worker
 
 #: Third octet range of the private subnets: 10.231.N.0/24 on a bridge of the test's own.
 SUBNET_PREFIX = "10.231"
@@ -82,17 +82,10 @@ class HostWorker:
 
     def kill(self) -> None:
         """SIGKILL the main process and its pool at once, as when the node dies."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        kill_worker(self.process)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_worker(self.process)
 
 
 class Hosts:
