@@ -1,7 +1,9 @@
 """Committing checkpoint files to a log, and bringing a run back from it.
 
 Core operations (no Celery) used by the commit task, the ``chkq log``
-commands and the watcher. A checkpoint file is committed under the name it
+commands and the watcher. :class:`CommitOptions` is the one definition of how
+a file is committed, for every layer: the task's message carries it, the
+in-process path and the clients build it. A checkpoint file is committed under the name it
 has in its run directory (``run_chk00003.h5`` or
 ``run_chk00003/thread_0001.h5``): a name entry of its own in the log (see
 :class:`chkq.log.NameEntry`), which is how ``restore`` puts it back — every
