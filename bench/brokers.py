@@ -37,6 +37,7 @@ from chkq.demo import RunShape, make_run
 from chkq.tasks.protocol import job_status
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
+from chkq.workers.launch import launch_worker, worker_environment
 
 
 def rabbitmqctl(*args: str) -> None:
@@ -46,10 +47,8 @@ def rabbitmqctl(*args: str) -> None:
 def start_worker(env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     name = f"bench-{uuid.uuid4().hex[:6]}@localhost"
     with open(log, "wb") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "chkq.workers.cli", "worker", "-c", "2", "-n", name],
-            env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        worker = launch_worker(name, log=out, env=worker_environment(extra=env),
+                               concurrency=2, peers=True)
     deadline = time.monotonic() + 60
     while not get_app().control.ping(destination=[name], timeout=0.5):
         if worker.poll() is not None or time.monotonic() > deadline:

@@ -68,7 +68,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -199,12 +198,10 @@ def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
 # --------------------------------------------------------------------------- the cluster
 
 class Cluster(BaseCluster):
-    """A private redis-server and ``chkq worker -c N`` (the command), logging to a file."""
+    """A private redis-server and a ``chkq worker -c N`` that talks to peers, logging to a file."""
 
     START_SECONDS = 90
-
-    def worker_command(self) -> list[str]:
-        return [CHKQ, "worker", "-c", str(self.workers), "-n", f"bench-{uuid.uuid4().hex[:6]}@%h"]
+    PEERS = True
 
     def all_pids(self) -> list[int]:
         """The worker's main and pool processes, and redis-server."""

@@ -166,16 +166,13 @@ class Cluster:
         self.process: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
 
-    def worker_command(self) -> list[str]:
-        """How the worker is started (the embedded cluster's own command line)."""
-        from chkq.config.routing import QUEUES
-        from chkq.workers.embedded import worker_command
-
-        return worker_command(self.workers, list(QUEUES), f"bench-{uuid.uuid4().hex[:6]}@%h")
+    #: Whether the worker talks to peers (gossip, mingle): off, as the embedded cluster's.
+    PEERS = False
 
     def __enter__(self) -> Cluster:
         from chkq.config.celery_app import make_app, use_app
         from chkq.config.settings import Settings
+        from chkq.workers.launch import launch_worker
 
         self.redis.start()
         os.environ["CHKQ_BROKER_URL"] = self.redis.url
@@ -185,10 +182,9 @@ class Cluster:
         use_app(app, settings)
         self.env = {**os.environ}
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.worker_command(), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self.process = launch_worker(
+                f"bench-{uuid.uuid4().hex[:6]}@%h", log=log, env=self.env,
+                concurrency=self.workers, peers=self.PEERS)
         deadline = time.monotonic() + self.START_SECONDS
         while len(self.pool_pids()) < self.workers or not app.control.ping(timeout=0.5):
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -20,6 +20,7 @@ _LAZY = {
     "consolidate_checkpoints": "chkq.workers.client",
     "submit_consolidation": "chkq.workers.client",
     "submit_commit": "chkq.workers.commits",
+    "CommitOptions": "chkq.commits",
     "CheckpointLog": "chkq.log",
     "CheckpointRecord": "chkq.log",
     "CheckpointStore": "chkq.stores",

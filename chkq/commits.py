@@ -1,7 +1,9 @@
 """Committing checkpoint files to a log, and bringing a run back from it.
 
 Core operations (no Celery) used by the commit task, the ``chkq log``
-commands and the watcher. A checkpoint file is committed under the name it
+commands and the watcher. :class:`CommitOptions` is the one definition of how
+a file is committed, for every layer: the task's message carries it, the
+in-process path and the clients build it. A checkpoint file is committed under the name it
 has in its run directory (``run_chk00003.h5`` or
 ``run_chk00003/thread_0001.h5``): a name entry of its own in the log (see
 :class:`chkq.log.NameEntry`), which is how ``restore`` puts it back — every
@@ -21,17 +23,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
+import re
 import secrets
 import stat
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin, get_type_hints
 
 from chkq.errors import (  # noqa: F401 (re-exported)
     AmbiguousParentError,
+    BadMessageError,
+    BadMessageTypeError,
     CheckpointCorruptionError,
     CheckpointNotFoundError,
     FileChangedError,
@@ -52,6 +58,7 @@ from chkq.log import (
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 
 __all__ = [
+    "CommitOptions",
     "FileChangedError",
     "ParentNotCommittedError",
     "RestoreResult",
@@ -139,56 +146,174 @@ def single_head(log: CheckpointLog) -> str | None:
     return heads[0].id if heads else None
 
 
+_CHECKPOINT_ID = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class CommitOptions:
+    """How a checkpoint is committed: everything but the log, the bytes and their file.
+
+    The one definition of a commit's options, shared by :func:`commit_bytes`,
+    the ``chkq.commit`` task (whose keyword arguments are :meth:`to_json`),
+    the in-process commit and the clients that send the task. Every value is
+    checked when the options are made, so a wrong one is refused, naming the
+    field, before anything is read or written; a message is untrusted input,
+    and :meth:`from_json` is how the task reads one.
+
+    Attributes
+    ----------
+    parent
+        Id of the checkpoint this one is committed on.
+    parent_head
+        Commit on the run's one head (an error if it has several).
+    step, label
+        Annotations kept in the record.
+    name
+        The file's name relative to its run directory, kept (with ``model``)
+        in a name entry of its own so that restore puts it back there.
+    model
+        The model the file belongs to; without one, the model a slug-style
+        name says.
+    expect_id
+        The id the bytes must have (what a watcher hashed): a file changed
+        since is refused.
+    writer
+        Who commits, kept in the record. Not sent in a task message: the
+        worker records itself.
+    meta
+        Further record metadata (``name``/``model`` found here are taken as
+        those fields). Not sent in a task message.
+    """
+
+    parent: str | None = field(default=None, metadata={"id": True})
+    parent_head: bool = False
+    step: int | None = None
+    label: str | None = None
+    name: str | None = None
+    model: str | None = None
+    expect_id: str | None = field(default=None, metadata={"id": True})
+    writer: str | None = field(default=None, metadata={"local": True})
+    meta: Mapping[str, Any] | None = field(default=None, metadata={"local": True})
+
+    def __post_init__(self) -> None:
+        hints = _field_kinds()
+        for item in fields(self):
+            value = getattr(self, item.name)
+            kind = hints[item.name]
+            if value is None and item.default is None:
+                continue
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+                raise BadMessageTypeError(
+                    f"commit {item.name} must be {kind.__name__}, got {type(value).__name__}")
+            if item.metadata.get("id") and not _CHECKPOINT_ID.fullmatch(str(value)):
+                raise BadMessageError(
+                    f"commit {item.name} {value!r} is not a checkpoint id (64 hex digits)")
+        if self.name is not None:
+            check_relative_name(self.name)
+
+    @classmethod
+    def wire_fields(cls) -> tuple[str, ...]:
+        """The fields a ``chkq.commit`` message carries, as keyword arguments."""
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("local"))
+
+    def to_json(self) -> dict[str, Any]:
+        """The task message's keyword arguments (JSON types only; no local-only field)."""
+        return {name: getattr(self, name) for name in self.wire_fields()}
+
+    @classmethod
+    def from_json(cls, data: Any) -> CommitOptions:
+        """Options from a task message's keyword arguments, every one checked.
+
+        Raises
+        ------
+        BadMessageTypeError
+            For keyword arguments that are not a JSON object, an argument that
+            is not a commit option (or is local-only), or a value of the wrong type.
+        BadMessageError
+            For a parent or ``expect_id`` that is not a checkpoint id, or a
+            name that is not a relative path inside a run directory.
+        """
+        if not isinstance(data, Mapping):
+            raise BadMessageTypeError(
+                f"commit options must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(str(key) for key in data if key not in cls.wire_fields())
+        if unknown:
+            raise BadMessageTypeError(
+                f"commit got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+        return cls(**data)
+
+    @classmethod
+    def of(cls, options: CommitOptions | None = None, **changes: Any) -> CommitOptions:
+        """``options`` (default: none set) with the fields named in ``changes`` replaced.
+
+        How the functions that take options also take them as keyword arguments.
+
+        Raises
+        ------
+        TypeError
+            For a keyword that is not a field, naming it; or a value of the wrong type.
+        """
+        unknown = sorted(set(changes) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unexpected commit option(s) {', '.join(map(repr, unknown))}")
+        base = options if options is not None else cls()
+        return replace(base, **changes) if changes else base
+
+
+@functools.cache
+def _field_kinds() -> dict[str, type]:
+    """The runtime class each :class:`CommitOptions` field's annotation allows (None aside)."""
+    kinds = {}
+    for name, hint in get_type_hints(CommitOptions).items():
+        allowed = [a for a in get_args(hint) if a is not type(None)] or [hint]
+        kinds[name] = get_origin(allowed[0]) or allowed[0]
+    return kinds
+
+
 def commit_bytes(
     log: CheckpointLog,
     data: bytes,
+    options: CommitOptions | None = None,
     *,
-    parent: str | None = None,
-    parent_head: bool = False,
-    step: int | None = None,
-    label: str | None = None,
-    meta: dict[str, Any] | None = None,
-    expect_id: str | None = None,
-    name: str | None = None,
-    model: str | None = None,
-    writer: str | None = None,
     mode: int | None = None,
+    **changes: Any,
 ) -> CheckpointRecord:
-    """Commit ``data``; return its record.
+    """Commit ``data`` with ``options`` (or its fields as keyword arguments); return its record.
 
-    The file's ``name`` and ``model`` may come as arguments or, as the
-    commit task sends them, as ``meta["name"]`` / ``meta["model"]``; either
-    way they go into the file's :class:`~chkq.log.NameEntry`, not into the
-    record (which describes content and is shared by every name of it).
-    Without a model, the one a slug-style name says is kept. ``mode`` is the
-    file's ``st_mode`` (its permission bits are kept for restore).
+    The file's ``name`` and ``model`` go into the file's
+    :class:`~chkq.log.NameEntry`, not into the record (which describes content
+    and is shared by every name of it); given in ``meta`` instead, they are
+    taken from there. Without a model, the one a slug-style name says is
+    kept. ``mode`` is the file's ``st_mode`` (its permission bits are kept for
+    restore).
 
     Raises
     ------
     ParentNotCommittedError
-        If ``parent`` is not in the log yet (its commit may still be running).
+        If the parent is not in the log yet (its commit may still be running).
     FileChangedError
         If ``expect_id`` is given and the bytes are not that checkpoint.
     """
-    extra = dict(meta or {})
-    name = name if name is not None else extra.pop("name", None)
-    model = model if model is not None else extra.pop("model", None)
+    wanted = CommitOptions.of(options, **changes)
+    extra = dict(wanted.meta or {})
+    name = wanted.name if wanted.name is not None else extra.pop("name", None)
+    model = wanted.model if wanted.model is not None else extra.pop("model", None)
     extra.pop("name", None)
     extra.pop("model", None)
     if name is not None:
         check_relative_name(name)
         if model is None:
             model = model_of_name(name)
-    if expect_id is not None and checkpoint_id(data) != expect_id:
+    if wanted.expect_id is not None and checkpoint_id(data) != wanted.expect_id:
         raise FileChangedError(
-            f"the checkpoint's bytes no longer have id {expect_id} (the file changed)")
-    if parent_head:
-        parent = single_head(log)
+            f"the checkpoint's bytes no longer have id {wanted.expect_id} (the file changed)")
+    parent = single_head(log) if wanted.parent_head else wanted.parent
     if parent is not None and parent not in log:
         raise ParentNotCommittedError(
             f"parent {parent} is not a checkpoint of run {log.run_id!r} (yet)")
-    checkpoint = log.commit(data, parent, step=step, label=label, meta=extra or None,
-                            name=name, model=model, writer=writer, mode=mode)
+    checkpoint = log.commit(data, parent, step=wanted.step, label=wanted.label,
+                            meta=extra or None, name=name, model=model,
+                            writer=wanted.writer, mode=mode)
     return log.record(checkpoint)
 
 

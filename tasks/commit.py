@@ -16,7 +16,6 @@ argument whose file it would remove after the commit.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,9 +23,9 @@ from typing import Any
 
 from chkq.access import resolve_allowed
 from chkq.commits import (
+    CommitOptions,
     FileChangedError,
     ParentNotCommittedError,
-    check_relative_name,
     commit_bytes,
     read_stable,
 )
@@ -64,23 +63,6 @@ def parent_wait(retries: int) -> float:
     return float(min(5.0, 0.25 * 2 ** min(retries, 5)))
 
 
-_ID = re.compile(r"[0-9a-f]{64}")
-
-
-def _optional(value: Any, kind: type | tuple[type, ...], what: str) -> None:
-    """Refuse an argument of the wrong JSON type (bool is not an int here)."""
-    if value is not None and (not isinstance(value, kind) or
-                              (isinstance(value, bool) and kind is int)):
-        raise BadMessageTypeError(f"commit {what} must be {getattr(kind, '__name__', kind)}, "
-                        f"got {type(value).__name__}")
-
-
-def _check_id(value: str | None, what: str) -> None:
-    _optional(value, str, what)
-    if value is not None and not _ID.fullmatch(value):
-        raise BadMessageError(f"commit {what} {value!r} is not a checkpoint id (64 hex digits)")
-
-
 def checkpoint_source(path: Any) -> Path:
     """Resolve and check the checkpoint path of a commit message; return the path to read.
 
@@ -92,6 +74,8 @@ def checkpoint_source(path: Any) -> Path:
         If the resolved path (links and ``..`` followed) is outside
         ``CHKQ_ALLOWED_ROOTS``.
     """
+    if path is None:
+        raise BadMessageTypeError("commit path is missing")
     if not isinstance(path, str):
         raise BadMessageTypeError(f"commit path must be a string, got {type(path).__name__}")
     if "\x00" in path:
@@ -111,45 +95,24 @@ def checkpoint_source(path: Any) -> Path:
     retry_jitter=True,
     max_retries=MAX_RETRIES,
 )
-def commit(
-    self: ChkqTask,
-    store_url: str,
-    run: str,
-    path: str,
-    *,
-    parent: str | None = None,
-    parent_head: bool = False,
-    step: int | None = None,
-    label: str | None = None,
-    name: str | None = None,
-    model: str | None = None,
-    expect_id: str | None = None,
-) -> dict[str, Any]:
+def commit(self: ChkqTask, store_url: str, run: str, path: str | None = None,
+           **options: Any) -> dict[str, Any]:
     """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
-    ``name`` is the file's name relative to its run directory, kept (with
-    ``model``) in a name entry of its own so that ``chkq log restore`` can put
-    it back under every name it was committed as; ``expect_id``
-    (the SHA-256 the watcher saw) guards against a file changed since.
-    Every argument is checked (types, ids, the resolved store directory and
-    file against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written;
-    the source file is only read, never removed.
+    ``options`` are the fields of :class:`chkq.commits.CommitOptions` a
+    message may carry (:meth:`~chkq.commits.CommitOptions.to_json`):
+    ``name``, kept (with ``model``) in a name entry of its own so that
+    ``chkq log restore`` can put the file back under every name it was
+    committed as, and ``expect_id`` (the SHA-256 the watcher saw), which
+    guards against a file changed since, among them. Every argument is
+    checked (unknown names, types, ids, the resolved store directory and file
+    against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written; the
+    source file is only read, never removed. ``path`` has a default only so
+    that the task, not Celery's argument binding, reports what is wrong with a
+    message: the options first (an unknown one by its name), then a missing path.
     """
     self.check_deliveries()
-    _check_id(parent, "parent")
-    _check_id(expect_id, "expect_id")
-    _optional(step, int, "step")
-    _optional(label, str, "label")
-    _optional(name, str, "name")
-    _optional(model, str, "model")
-    if not isinstance(parent_head, bool):
-        raise BadMessageTypeError(
-            f"commit parent_head must be bool, got {type(parent_head).__name__}")
-    meta: dict[str, Any] = {}
-    if name is not None:
-        meta["name"] = check_relative_name(name)
-    if model is not None:
-        meta["model"] = model
+    wanted = CommitOptions.from_json(options)
     location = parse_store_url(store_url)
     if location.local_root is not None:
         resolve_allowed(location.local_root, get_settings().allowed_roots)
@@ -157,13 +120,12 @@ def commit(
     log = CheckpointLog(location.open(), run)
     with Timer("chkq.commit", run, store=log.store.url, source=str(source)) as timer:
         try:
+            parent = wanted.parent
             if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
                 raise ParentNotCommittedError(
                     f"parent {parent} is not a checkpoint of run {run!r} (yet)")
             data, mode = read_stable(source)
-            record = commit_bytes(log, data, parent=parent, parent_head=parent_head, step=step,
-                                  label=label, meta=meta or None, expect_id=expect_id,
-                                  mode=mode)
+            record = commit_bytes(log, data, wanted, mode=mode)
         except ParentNotCommittedError as exc:
             raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
                              max_retries=PARENT_RETRIES) from None

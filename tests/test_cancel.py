@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
+from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
+from chkq.workers.launch import launch_worker, stop_worker
 from tests.helpers import snapshot, wait_for, write_lease
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
@@ -41,24 +43,11 @@ def chkq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=TIMEOUT)
 
 
-def start_worker(env: dict[str, str], log: Path, queues: str | None = None,
+def start_worker(env: dict[str, str], log: Path, queues: str = ",".join(QUEUES),
                  name: str = "w") -> subprocess.Popen[bytes]:
-    argv = ["worker", "-c", "2", "-n", f"{name}{os.getpid()}@localhost"]
-    if queues is not None:
-        argv += ["-Q", queues]
     with open(log, "wb") as out:
-        return subprocess.Popen(CLI + argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        return launch_worker(f"{name}{os.getpid()}@localhost", log=out, env=env,
+                             concurrency=2, queues=queues, peers=True)
 
 
 def read_line(stream: object, deadline: float) -> str:
@@ -121,7 +110,7 @@ def test_no_worker_is_announced_and_interrupt_says_how_to_cancel(
         time.sleep(8)
         assert worker.poll() is None
     finally:
-        stop(worker)
+        stop_worker(worker)
     assert snapshot(tmp_path) == before, "a cancelled job ran"
 
 
@@ -177,6 +166,6 @@ def test_cancel_stops_a_running_job_and_removes_its_temporaries(
         assert "CANCELLED" in status.stdout
         assert worker.poll() is None and copier.poll() is None, "workers survive a cancel"
     finally:
-        stop(worker)
+        stop_worker(worker)
         if copier is not None:
-            stop(copier)
+            stop_worker(copier)

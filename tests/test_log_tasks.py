@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from chkq.commits import CommitOptions
 from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
+from chkq.errors import BadMessageError, BadMessageTypeError
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from chkq.workers.commits import record_of, submit_commit
@@ -172,3 +176,26 @@ def test_gc_removes_only_payloads_left_by_a_crashed_committer(tmp_path: Path) ->
     assert out.stdout.split() == [orphan]
     assert payload_keys(url, "r1") == before - {orphan}
     assert log.load(log.heads()[0].id) == paths[0].read_bytes()
+
+
+def test_commit_options_are_one_message_format_checked_field_by_field() -> None:
+    """What a client sends is what the task reads; a wrong field is named, a local one refused."""
+    parent = sha(b"parent")
+    options = CommitOptions(parent=parent, step=3, label="l", name="run_chk00003.h5",
+                            model="run", expect_id=sha(b"x"), writer="me@host")
+    message = options.to_json()
+    assert set(message) == {"parent", "parent_head", "step", "label", "name", "model",
+                            "expect_id"}, "writer and meta stay out of a message"
+    assert json.loads(json.dumps(message)) == message
+    assert CommitOptions.from_json(message) == replace(options, writer=None)
+    for bad, field_name, kind in (({"step": True}, "step", BadMessageTypeError),
+                                  ({"parent": parent[:-1]}, "parent", BadMessageError),
+                                  ({"model": 3}, "model", BadMessageTypeError),
+                                  ({"writer": "x"}, "writer", BadMessageTypeError),
+                                  ({"staging_key": "k"}, "staging_key", BadMessageTypeError)):
+        with pytest.raises(kind, match=field_name):
+            CommitOptions.from_json(bad)
+    with pytest.raises(BadMessageTypeError, match="JSON object"):
+        CommitOptions.from_json(["parent"])
+    with pytest.raises(TypeError, match="'stepp'"):
+        CommitOptions.of(options, stepp=4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -39,3 +40,61 @@ def test_a_program_with_its_own_config_tasks_and_workers(tmp_path: Path,
                           env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == str(run / "run.h5")
+
+
+#: The folders whose modules are chkq's own (``chkq/`` also holds links to tasks/, workers/
+#: and config/, which are not followed: they are read once, at their own place).
+SOURCE_FOLDERS = ("chkq", "tasks", "workers", "config", "bench", "tests")
+
+#: Top-level names that, imported bare, load chkq's own modules a second time under another
+#: name in a checkout (and are a simulation's own modules once chkq is installed).
+BARE_NAMES = frozenset({"tasks", "workers", "config"})
+
+
+def bare_imports(source: str, filename: str) -> list[str]:
+    """``line: statement`` for each import of a bare ``tasks``, ``workers`` or ``config``."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        if any(name.split(".")[0] in BARE_NAMES for name in names):
+            found.append(f"{node.lineno}: {ast.get_source_segment(source, node)}")
+    return found
+
+
+def python_files(root: Path) -> list[Path]:
+    """Every ``.py`` file below ``root``'s source folders, links to folders not followed."""
+    files = []
+    for folder in SOURCE_FOLDERS:
+        for directory, _, names in os.walk(root / folder):
+            files.extend(Path(directory) / n for n in names if n.endswith(".py"))
+    return sorted(files)
+
+
+def test_the_finder_sees_every_form_of_a_bare_import() -> None:
+    source = textwrap.dedent("""
+        import tasks
+        import os, workers.cli as cli
+        from config.settings import Settings
+        from tasks import protocol
+        from chkq.tasks import protocol
+        import chkq.config
+        from . import config
+        text = "import config"
+    """)
+    assert [line.split(":")[0] for line in bare_imports(source, "example.py")] == \
+        ["2", "3", "4", "5"]
+
+
+def test_no_module_imports_bare_tasks_workers_or_config() -> None:
+    root = Path(__file__).resolve().parents[1]
+    files = python_files(root)
+    assert len(files) > 100, "the walk must see the whole tree"
+    assert root / "tasks" / "commit.py" in files and root / "tests" / "conftest.py" in files
+    offenders = {str(path.relative_to(root)): found for path in files
+                 if (found := bare_imports(path.read_text(), str(path)))}
+    assert offenders == {}, "import these through chkq. (chkq.tasks, chkq.workers, chkq.config)"

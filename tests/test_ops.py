@@ -29,6 +29,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis, free_port
+from chkq.workers.launch import launch_worker
 from tests import helpers
 from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
 
@@ -110,8 +111,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
                    CHKQ_BLOCK_BYTES=str(64 * 1024), CHKQ_TASK_BYTES=str(1024 * 1024))
         name = f"ops-{os.getpid()}@localhost"
         worker_log = logs / "worker.log"
-        worker = _start(["worker", "-c", "2", "-n", name, "--loglevel", "INFO"], env,
-                        worker_log)
+        with open(worker_log, "wb") as out:
+            worker = launch_worker(name, log=out, env=env, concurrency=2, peers=True)
         port = free_port()
         flower = _start(["flower", "--port", str(port)],
                         {**env, "CHKQ_FLOWER_BASIC_AUTH": ":".join(AUTH)}, logs / "flower.log")

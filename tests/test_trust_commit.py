@@ -189,8 +189,19 @@ def test_malformed_commit_arguments_fail_at_once(tmp_path: Path, worker: WorkerP
         (send_commit(url, "r1", str(fifo)), FileNotFoundError),
         (send_commit(123, "r1", str(source)), ValueError),
     ]
+    named: list[tuple[AsyncResult, type[BaseException], str]] = [
+        (send_commit(url, "r1", str(source), name="../../etc/x"), ValueError, "etc/x"),
+        (send_commit(url, "r1", str(source), label=7), TypeError, "commit label must be str"),
+        # Who wrote a record is the worker's to say, not a message's.
+        (send_commit(url, "r1", str(source), writer="alice@host"), TypeError, "'writer'"),
+        (send_commit(url, "r1", str(source), meta={"name": "x"}), TypeError, "'meta'"),
+        (send_commit(url, "r1", str(source), step=True), TypeError, "commit step must be int"),
+    ]
     for result, expected in cases:
         with pytest.raises(expected):
+            result.get(timeout=TIMEOUT)
+    for result, expected, what in named:
+        with pytest.raises(expected, match=what):
             result.get(timeout=TIMEOUT)
     assert not (tmp_path / "store").exists(), "a refused commit created its store"
     assert_alive(worker)

@@ -15,12 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from celery.canvas import Signature
 from celery.result import AsyncResult
 
-from chkq.commits import commit_bytes, read_stable
+from chkq.commits import CommitOptions, commit_bytes, read_stable
 from chkq.config.celery_app import get_app, get_settings
 from chkq.errors import SourceNotFoundError
 from chkq.log import CheckpointLog, CheckpointRecord, default_writer, validate_run_id
@@ -64,27 +66,33 @@ def store_retries_reported(notice: Callable[[str], None]) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def _source(store_url: str, run: str, path: str | Path) -> Path:
+    """``path`` made absolute, once the URL, the run id and the file are checked."""
+    parse_store_url(store_url)
+    validate_run_id(run)
+    source = Path(path).absolute()
+    if not source.is_file():
+        raise SourceNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+    return source
+
+
 def commit_in_process(
     store_url: str,
     run: str,
     path: str | Path,
+    options: CommitOptions | None = None,
     *,
-    parent: str | None = None,
-    parent_head: bool = False,
-    step: int | None = None,
-    label: str | None = None,
-    name: str | None = None,
-    model: str | None = None,
-    expect_id: str | None = None,
-    writer: str | None = None,
     budget: float | None = None,
+    **changes: Any,
 ) -> CheckpointRecord:
     """Commit the checkpoint file at ``path`` to ``run`` of ``store_url`` in this process.
 
-    What a ``chkq.commit`` task does, by the file's owner, for any store:
-    the store operations of the whole commit share one retry budget
-    (``budget``, default ``CHKQ_STORE_RETRY_SECONDS``), so an unreachable
-    store fails the commit within that budget plus one attempt's timeouts.
+    What a ``chkq.commit`` task does, by the file's owner, for any store, with
+    ``options`` (a :class:`~chkq.commits.CommitOptions`, or its fields as
+    keyword arguments; the writer defaults to ``chkq@HOST``). The store
+    operations of the whole commit share one retry budget (``budget``,
+    default ``CHKQ_STORE_RETRY_SECONDS``), so an unreachable store fails the
+    commit within that budget plus one attempt's timeouts.
 
     Raises
     ------
@@ -95,59 +103,48 @@ def commit_in_process(
     FileChangedError
         If the file changed while it was read, or is not ``expect_id``.
     """
-    parse_store_url(store_url)
-    validate_run_id(run)
-    source = Path(path).absolute()
-    if not source.is_file():
-        raise FileNotFoundError(f"checkpoint file {str(source)!r} does not exist")
+    wanted = CommitOptions.of(options, **changes)
+    if wanted.writer is None:
+        wanted = replace(wanted, writer=f"chkq@{default_writer()}")
+    source = _source(store_url, run, path)
     seconds = StoreTimeouts.from_env().budget if budget is None else budget
     with overall_budget(seconds):
         log = CheckpointLog(open_store(store_url), run)
         data, mode = read_stable(source)
-        return commit_bytes(
-            log, data, parent=parent, parent_head=parent_head, step=step,
-            label=label, name=name, model=model, expect_id=expect_id,
-            writer=writer or f"chkq@{default_writer()}", mode=mode,
-        )
+        return commit_bytes(log, data, wanted, mode=mode)
 
 
-def submit_commit(
-    store_url: str,
-    run: str,
-    path: str | Path,
-    *,
-    parent: str | None = None,
-    parent_head: bool = False,
-    step: int | None = None,
-    label: str | None = None,
-    name: str | None = None,
-    model: str | None = None,
-    expect_id: str | None = None,
-) -> AsyncResult:
-    """Enqueue the commit of the checkpoint file at ``path`` to ``run`` in ``store_url``.
+def commit_signature(store_url: str, run: str, path: str | Path,
+                     options: CommitOptions | None = None, **changes: Any) -> Signature:
+    """The ``chkq.commit`` task for the file at ``path``, not sent yet (immutable).
 
-    The path must be readable by the workers (shared storage) and, where
-    the workers set ``CHKQ_ALLOWED_ROOTS``, inside those roots; the workers
-    resolve it (links, ``..``) and read it, and never remove it.
+    The message carries ``options``' :meth:`~chkq.commits.CommitOptions.to_json`
+    as keyword arguments, the file's absolute path and never its bytes.
 
     Raises
     ------
     ValueError
-        For a malformed store URL or run id.
+        For a malformed store URL, run id or option.
     FileNotFoundError
         If ``path`` is not a file here.
     """
-    parse_store_url(store_url)
-    validate_run_id(run)
-    source = Path(path).absolute()
-    if not source.is_file():
-        raise SourceNotFoundError(f"checkpoint file {str(source)!r} does not exist")
-    kwargs: dict[str, Any] = {
-        "parent": parent, "parent_head": parent_head, "step": step, "label": label,
-        "name": name, "model": model, "expect_id": expect_id,
-    }
+    wanted = CommitOptions.of(options, **changes)
+    source = _source(store_url, run, path)
     return get_app().signature("chkq.commit", args=(store_url, run, str(source)),
-                         kwargs=kwargs).apply_async()
+                               kwargs=wanted.to_json(), immutable=True)
+
+
+def submit_commit(store_url: str, run: str, path: str | Path,
+                  options: CommitOptions | None = None, **changes: Any) -> AsyncResult:
+    """Enqueue the commit of the checkpoint file at ``path`` to ``run`` in ``store_url``.
+
+    ``options`` as for :func:`commit_in_process` (a writer is not sent: the
+    worker records itself). The path must be readable by the workers (shared
+    storage) and, where the workers set ``CHKQ_ALLOWED_ROOTS``, inside those
+    roots; the workers resolve it (links, ``..``) and read it, and never
+    remove it. Raises what :func:`commit_signature` raises, before sending.
+    """
+    return commit_signature(store_url, run, path, options, **changes).apply_async()
 
 
 def submit_commit_chain(
@@ -177,11 +174,10 @@ def submit_commit_chain(
         source = Path(path).absolute()
         ident = file_id(source)
         step = None if first_step is None else first_step + index
-        steps.append(get_app().signature(
-            "chkq.commit", args=(store_url, run, str(source)),
-            kwargs={"parent": parent, "step": step, "name": source.name, "model": model,
-                    "expect_id": ident},
-            immutable=True))
+        steps.append(commit_signature(
+            store_url, run, source,
+            CommitOptions(parent=parent, step=step, name=source.name, model=model,
+                          expect_id=ident)))
         parent = ident
     if not steps:
         raise ValueError("no checkpoint files to commit")
@@ -194,14 +190,15 @@ def record_of(result: dict[str, Any]) -> CheckpointRecord:
 
 
 def commit_checkpoint(
-    store_url: str, run: str, path: str | Path, *, workers: int | None = None,
-    timeout: float | None = None, **options: Any,
+    store_url: str, run: str, path: str | Path, options: CommitOptions | None = None, *,
+    workers: int | None = None, timeout: float | None = None, **changes: Any,
 ) -> CheckpointRecord:
     """Commit a checkpoint file through the cluster and wait, or (no broker) in this process.
 
-    ``workers`` is accepted for compatibility and unused: no cluster is
-    started for a commit.
+    ``options`` as for :func:`commit_in_process`. ``workers`` is accepted for
+    compatibility and unused: no cluster is started for a commit.
     """
+    wanted = CommitOptions.of(options, **changes)
     if get_settings().broker_url:
-        return record_of(submit_commit(store_url, run, path, **options).get(timeout=timeout))
-    return commit_in_process(store_url, run, path, **options)
+        return record_of(submit_commit(store_url, run, path, wanted).get(timeout=timeout))
+    return commit_in_process(store_url, run, path, wanted)

@@ -37,7 +37,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -53,6 +52,12 @@ from chkq.config.routing import QUEUES
 from chkq.errors import EmbeddedClusterError, WaitTimeoutError
 from chkq.naming import JobFiles, discard_job_files
 from chkq.workers.broker import PrivateRedis, die_with_parent
+from chkq.workers.launch import (  # noqa: F401 (worker_command re-exported)
+    launch_worker,
+    python_command,
+    worker_command,
+    worker_environment,
+)
 
 #: Seconds an idle worker gets for a warm shutdown before its group is killed.
 STOP_GRACE_SECONDS = 10.0
@@ -70,30 +75,6 @@ def default_workers() -> int:
     ``--workers`` asks for more.
     """
     return max(1, min(DEFAULT_WORKERS_CAP, os.cpu_count() or 1))
-
-
-def python_command(module: str, *args: str) -> list[str]:
-    """``python -P -m MODULE ARGS``: a child that never imports from the current directory.
-
-    ``-m`` would put the current directory first on ``sys.path``; ``-P``
-    (Python 3.11) leaves it out, so a ``chkq`` folder there (the clone's
-    parent directory, say) cannot shadow the installed package.
-    """
-    return [sys.executable, "-P", "-m", module, *args]
-
-
-def worker_command(concurrency: int, queues: list[str], name: str,
-                   loglevel: str = "INFO") -> list[str]:
-    """The command line of a chkq worker process (``chkq worker``, embedded flavour).
-
-    ``chkq worker`` rather than ``celery worker``, so that the worker start-up
-    of :mod:`chkq.workers.cli` (its log filter) applies to embedded workers too.
-    """
-    return python_command(
-        "chkq.workers.cli", "worker",
-        "-c", str(concurrency), "-Q", ",".join(queues), "-n", name,
-        "--loglevel", loglevel, "--without-gossip", "--without-mingle",
-    )
 
 
 def drop_result_subscriptions() -> None:
@@ -138,13 +119,10 @@ class EmbeddedCluster:
             self.app = make_app(replace(get_settings(), broker_url=self.broker.url,
                                         result_backend=self.broker.url))
             self._previous_app = use_app(self.app)
-            env = {**os.environ, "CHKQ_BROKER_URL": self.broker.url,
-                   "CHKQ_RESULT_BACKEND": self.broker.url}
-            name = f"embedded-{uuid.uuid4().hex[:8]}@%h"
-            self.process = subprocess.Popen(
-                worker_command(self.workers, list(QUEUES), name), env=env,
-                stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=die_with_parent(signal.SIGKILL),
+            self.process = launch_worker(
+                f"embedded-{uuid.uuid4().hex[:8]}@%h", log=self.log,
+                env=worker_environment(self.broker.url), concurrency=self.workers,
+                queues=QUEUES, preexec_fn=die_with_parent(signal.SIGKILL),
             )
             self.reaper = subprocess.Popen(
                 python_command("chkq.workers.reaper", str(self.process.pid),

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from chkq.commits import (
+    CommitOptions,
     pull_mode,
     resolve_id,
     restore_run,
@@ -125,7 +126,8 @@ def cmd_commit(args: argparse.Namespace) -> int:
         raise ValueError("give --parent ID or --parent-head, not both")
     path = Path(args.file).absolute()
     name = args.name or path.name
-    model = args.model or model_of_name(name)
+    options = CommitOptions(parent_head=args.parent_head, step=args.step, label=args.label,
+                            name=name, model=args.model or model_of_name(name))
     if Settings.from_env().broker_url is None:
         from chkq.workers.commits import commit_in_process, store_retries_reported
 
@@ -135,18 +137,14 @@ def cmd_commit(args: argparse.Namespace) -> int:
         with store_retries_reported(_say), overall_budget(budget):
             parent = resolve_id(_open(args, write=True), args.parent) if args.parent else None
             record = commit_in_process(
-                args.store, args.run, path, parent=parent, parent_head=args.parent_head,
-                step=args.step, label=args.label, name=name, model=model,
+                args.store, args.run, path, options, parent=parent,
                 writer=f"chkq log commit@{default_writer()}", budget=budget)
         print(record.id)
         return 0
     from chkq.workers.commits import commit_checkpoint
 
     parent = resolve_id(_existing(args), args.parent) if args.parent else None
-    options: dict[str, Any] = {"parent": parent, "parent_head": args.parent_head,
-                               "step": args.step, "label": args.label, "name": name,
-                               "model": model}
-    record = commit_checkpoint(args.store, args.run, path, **options)
+    record = commit_checkpoint(args.store, args.run, path, options, parent=parent)
     print(record.id)
     return 0
 

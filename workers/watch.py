@@ -23,7 +23,7 @@ from pathlib import Path
 
 from celery.result import AsyncResult
 
-from chkq.commits import FileChangedError
+from chkq.commits import CommitOptions, FileChangedError
 from chkq.config.celery_app import get_settings
 from chkq.discovery import check_model_name, check_out_dir
 from chkq.log import CheckpointLog, default_writer
@@ -64,6 +64,12 @@ def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def commit_options(request: CommitRequest, model: str) -> CommitOptions:
+    """How the watcher commits a ready file: on its parent, as its step, checked by its id."""
+    return CommitOptions(parent=request.parent, step=request.number, name=request.name,
+                         model=model, expect_id=request.checkpoint_id)
+
+
 def in_process_committer(args: argparse.Namespace, model: str
                          ) -> Callable[[CommitRequest], None]:
     """Commit each ready file in this process; defer (to the next look) what fails for now."""
@@ -74,10 +80,8 @@ def in_process_committer(args: argparse.Namespace, model: str
     def commit(request: CommitRequest) -> None:
         try:
             with store_retries_reported(warn):
-                commit_in_process(
-                    args.store, args.run, request.path, parent=request.parent,
-                    step=request.number, name=request.name, model=model,
-                    expect_id=request.checkpoint_id, writer=writer)
+                commit_in_process(args.store, args.run, request.path,
+                                  commit_options(request, model), writer=writer)
         except (TransientStoreError, FileChangedError) as exc:
             warn(f"{request.name} not committed yet ({exc}); trying again at the next look")
             raise CommitDeferred(str(exc)) from exc
@@ -96,10 +100,8 @@ def watch(args: argparse.Namespace) -> int:
     def enqueue(request: CommitRequest) -> None:
         from chkq.workers.commits import submit_commit
 
-        result = submit_commit(
-            args.store, args.run, request.path, parent=request.parent, step=request.number,
-            name=request.name, model=model, expect_id=request.checkpoint_id,
-        )
+        result = submit_commit(args.store, args.run, request.path,
+                               commit_options(request, model))
         pending.append((request, result))
         print(f"enqueued {request.name} {request.checkpoint_id}", flush=True)
 

@@ -8,9 +8,6 @@ the session on a free port.
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from chkq.config.celery_app import close_app, get_app, make_app, use_app
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.embedded import drop_result_subscriptions
+from chkq.workers.launch import kill_worker, launch_worker, stop_worker, worker_environment
 
 
 @pytest.fixture(scope="session")
@@ -47,15 +45,10 @@ class WorkerProcess:
                  env: dict[str, str] | None = None) -> None:
         self.name = f"test-{uuid.uuid4().hex[:8]}@localhost"
         self.log_path = log_dir / f"{self.name}.log"
-        environment = {**os.environ, "CHKQ_BROKER_URL": broker_url,
-                       "CHKQ_RESULT_BACKEND": broker_url, **(env or {})}
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "chkq.workers.cli", "worker", "-Q", queues,
-                 "-c", str(concurrency), "-n", self.name, "--loglevel", "INFO"],
-                env=environment, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self.process = launch_worker(
+                self.name, log=log, env=worker_environment(broker_url, extra=env),
+                concurrency=concurrency, queues=queues, peers=True)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:
@@ -78,18 +71,11 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_worker(self.process)
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool, as when a node dies."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        kill_worker(self.process)
 
 
 @pytest.fixture(scope="session")

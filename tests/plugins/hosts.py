@@ -23,7 +23,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from chkq.workers.broker import free_port
+from chkq.workers.launch import kill_worker, launch_worker, stop_worker
 
 #: Third octet range of the private subnets: 10.231.N.0/24 on a bridge of the test's own.
 SUBNET_PREFIX = "10.231"
@@ -74,27 +74,18 @@ class HostWorker:
         self.name = f"{host.name}-{uuid.uuid4().hex[:6]}@node"
         self.log_path = log_dir / f"{self.name}.log"
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                host.argv([sys.executable, "-m", "chkq.workers.cli", "worker", "-Q", queues,
-                           "-c", str(concurrency), "-n", self.name, "--loglevel", "INFO"]),
-                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.process = launch_worker(self.name, log=log, env=env, concurrency=concurrency,
+                                        queues=queues, peers=True, prefix=host.argv([]))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
         """SIGKILL the main process and its pool at once, as when the node dies."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        kill_worker(self.process)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_worker(self.process)
 
 
 class Hosts:
