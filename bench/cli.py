@@ -1,6 +1,6 @@
-"""Measure chkq end to end as users run it: the ``chkq`` command, a fresh process (issue 14).
+"""Measure chkq end to end as users run it: the ``chkq`` command, a fresh process.
 
-SPEC section 4: "All figures below are measured end to end as users run it:
+"All figures below are measured end to end as users run it:
 the ``chkq`` command, a fresh process, against a running cluster."
 
 Set-up, before any timing: a private redis-server on a free port
@@ -110,7 +110,7 @@ CONTENDERS: dict[str, tuple[str, ...]] = {
     "small20k": ("cli", "serial", "cp"),
 }
 
-#: Goals (issue 14 / SPEC section 4): run, contender, reference, at most, text.
+#: Goals: run, contender, reference, at most, text.
 GOALS: list[tuple[str, str, str, float, str]] = [
     ("big", "cli", "serial", 0.35, "uncompressed ~0.5 GB: CLI <= 0.35x serial"),
     ("big", "cli", "cp", 2.0, "uncompressed ~0.5 GB: CLI <= 2x cp -r + sync"),

@@ -1,4 +1,4 @@
-"""Measure consolidation against the quality bars of SPEC section 4 (issue 5).
+"""Measure consolidation against the quality bars.
 
 What is measured, on this machine, in one process tree:
 
@@ -79,7 +79,7 @@ RUNS: dict[str, RunShape] = {
     "small": RunShape(checkpoints=2000, trials=1, spec_columns=32),
 }
 
-#: Bars of SPEC section 4: (run, contender, reference, at most this ratio).
+#: The quality bars: (run, contender, reference, at most this ratio).
 BARS: list[tuple[str, str, str, float, str]] = [
     ("big", "chkq", "serial", 0.4, "1. uncompressed ~0.5 GB: chkq <= 0.4x serial"),
     ("big", "chkq", "cp", 3.0, "2. uncompressed ~0.5 GB: chkq <= 3x cp -r + sync"),

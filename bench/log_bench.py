@@ -1,4 +1,4 @@
-"""Measure the checkpoint log against the quality bars of SPEC section 4.
+"""Measure the checkpoint log against its quality bars.
 
 What is measured, on this machine, in one run:
 

@@ -1,4 +1,4 @@
-"""Finding a run's checkpoints in its output directory (SPEC 1, "Input").
+"""Finding a run's checkpoints in its output directory.
 
 Checkpoint ``NNNNN`` (exactly five digits) of model ``MODEL`` is a file
 ``MODEL_chkNNNNN.h5`` or a directory ``MODEL_chkNNNNN/`` of ``.h5`` files,

@@ -1,15 +1,13 @@
 """Identity of the files a job reads and writes, checked at every use.
 
-A run directory is writable by its owner, who is not trusted (SPEC "Trust
-model"): between planning and copying, a checkpoint could be rewritten in
-place (same size and inode, mtime restored) or replaced by a symbolic link
-to a file the worker may read and the owner may not. Each file a job uses
-is recorded when the job plans (size, mtime, ctime, inode, device), from
-the descriptor the scan reads (opened through :mod:`chkq.rundir`, no link
-followed at any level), and every later open checks the *opened*
-descriptor against that record, so a swap between check and open is
-caught too.
-"""
+A run directory is writable by its owner, who is not trusted: between
+planning and copying, a checkpoint could be rewritten in place (same size
+and inode, mtime restored) or replaced by a symbolic link to a file the
+worker may read and the owner may not. Each file a job uses is recorded when
+the job plans (size, mtime, ctime, inode, device), from the descriptor the
+scan reads (opened through :mod:`chkq.rundir`, no link followed at any
+level), and every later open checks the *opened* descriptor against that
+record, so a swap between check and open is caught too. """
 
 from __future__ import annotations
 

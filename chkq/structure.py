@@ -1,6 +1,6 @@
 """Reading a checkpoint file's skeleton and checking that a run's files agree.
 
-Every file of a run has the same skeleton (SPEC 1): the same groups and
+Every file of a run has the same skeleton: the same groups and
 datasets, and each extensible dataset with the same HDF5 type and trailing
 shape. Fixed datasets may differ in type or shape (only the final one is
 kept). A file is complete only when its root has ``trials_completed``.

@@ -33,7 +33,7 @@ class _LimitedTask(Task):
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    """Celery settings for a long-running I/O pipeline (see NOTES.md).
+    """Celery settings for a long-running I/O pipeline.
 
     Late acks with reject-on-worker-lost and prefetch 1 mean a message is
     removed only after its task finished, and a worker that dies hands its

@@ -1,4 +1,4 @@
-"""Time limits are the worker's, never a message's (SPEC, trust model).
+"""Time limits are the worker's, never a message's.
 
 Celery 5.7 takes a task's limits from the ``timelimit`` header of its
 message, ``(hard, soft)``, and falls back to the task's ``time_limit`` /

@@ -5,7 +5,7 @@ them. Transient store errors are retried with backoff; a parent whose own
 commit is still running is waited for by retrying; redelivery is harmless
 because committing the same bytes again changes nothing.
 
-A message is untrusted input (SPEC, trust model), so before anything is read
+A message is untrusted input, so before anything is read
 or written: the store URL is parsed and decoded once
 (:func:`chkq.stores.url.parse_store_url`) and the resolved directory of a
 ``file://`` store is checked against ``CHKQ_ALLOWED_ROOTS``; the checkpoint

@@ -1,6 +1,6 @@
 """An independent model of what a consolidated output must be, and a comparator.
 
-Written from SPEC section 1 ("Full fidelity") without importing anything from
+Written from the README's "Fidelity" section without importing anything from
 chkq: the output is the final checkpoint's first file (the *template*) with
 every extensible dataset's rows replaced by the concatenation of the rows of
 every source file, in the order given.

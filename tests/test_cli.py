@@ -108,7 +108,7 @@ def test_progress_is_shown_on_a_terminal(tmp_path: Path) -> None:
 
 
 def test_python_api_on_the_embedded_cluster(tmp_path: Path) -> None:
-    """``chkq.consolidate_checkpoints`` blocks, returns the path, raises the SPEC's errors."""
+    """``chkq.consolidate_checkpoints`` blocks, returns the path, raises the documented errors."""
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=10))
     script = f"""
 import chkq

@@ -1,6 +1,6 @@
 """Hostile and broken messages on every queue a worker consumes.
 
-A message is untrusted input (SPEC 3): whoever can write to the broker can
+A message is untrusted input: whoever can write to the broker can
 publish anything. Here raw messages are published with kombu, bypassing
 chkq's client, to the four task queues, the worker's remote-control
 (pidbox) exchange and the event exchange its gossip listens on. After

@@ -1,4 +1,4 @@
-"""Time limits are the worker's, never a message's (SPEC, trust model).
+"""Time limits are the worker's, never a message's.
 
 A message's ``timelimit`` header (``(hard, soft)``) used to replace the
 worker's CHKQ_TIME_LIMIT / CHKQ_SOFT_TIME_LIMIT, and every chkq client put

@@ -353,7 +353,7 @@ def test_random_histories_load_exactly(seed: int) -> None:
 
 
 def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) -> None:
-    """SPEC section 4 fault bar: nothing lost, no orphan payloads."""
+    """Fault bar: nothing lost, no orphan payloads."""
     url = (tmp_path / "store").as_uri()
     writers, count = 8, 1000
     context = multiprocessing.get_context("spawn")

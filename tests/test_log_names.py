@@ -1,4 +1,4 @@
-"""Issue #12: names as entries of their own, restore, read-only commands, malformed
+"""Names as entries of their own, restore, read-only commands, malformed
 records, gc against concurrent commits, and output files that never follow links."""
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ class Interleaving(MemoryStore):
 
 
 def test_gc_never_deletes_a_payload_a_concurrent_commit_records() -> None:
-    """Issue #12 (6): a commit of the same bytes finds the old orphan and records it
+    """A commit of the same bytes finds the old orphan and records it
     before each of gc's store calls on that payload or its record in turn (its first
     look, reading, putting aside, deleting, looking again, ...); the payload survives."""
     data = blob(20_000, 5)

@@ -1,4 +1,4 @@
-"""Signed task messages: broker write access alone runs nothing (SPEC, trust model).
+"""Signed task messages: broker write access alone runs nothing.
 
 A throwaway CA signs the deployment's certificate; a real ``chkq worker``
 runs with CHKQ_SECURITY_KEY / CERTIFICATE / CERT_STORE set, on a Redis

@@ -366,7 +366,7 @@ def _timed_failure(operation: Callable[[], object]) -> tuple[float, str]:
 @pytest.mark.parametrize("kind", ["s3", "gcs"])
 def test_store_that_stops_answering_fails_within_its_budget(
         kind: str, black_hole: BlackHole, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue #12 (5): connect and read timeouts, one retry budget per operation, no library
+    """Connect and read timeouts, one retry budget per operation, no library
     retries inside it; the error names the store and the key."""
     from chkq.stores.base import StoreTimeouts
 

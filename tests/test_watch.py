@@ -96,7 +96,7 @@ def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reprod
 def test_watch_restores_byte_identical_files_under_every_name(
     tmp_path: Path, worker: WorkerProcess
 ) -> None:
-    """Issue #12: thread files with the same bytes (in one checkpoint directory and across
+    """Thread files with the same bytes (in one checkpoint directory and across
     checkpoints) are committed by ``chkq watch`` and restored under every name."""
     import shutil
 

@@ -1,12 +1,11 @@
 """A store in a local (or shared POSIX) directory: ``file:///abs/dir``.
 
-Whoever can write to the directory is a party of its own (SPEC, trust
-model): a symbolic link planted in the store, at a directory or at a
-temporary's name, must never send a worker's reads, writes or deletes
-elsewhere. So every operation walks from the store's root one name at a
-time with ``openat(O_NOFOLLOW)`` and acts relative to the directory it
-reached (``*at`` system calls); a link anywhere in the way is refused.
-"""
+Whoever can write to the directory is a party of its own: a symbolic link
+planted in the store, at a directory or at a temporary's name, must never
+send a worker's reads, writes or deletes elsewhere. So every operation walks
+from the store's root one name at a time with ``openat(O_NOFOLLOW)`` and
+acts relative to the directory it reached (``*at`` system calls); a link
+anywhere in the way is refused. """
 
 from __future__ import annotations
 
