@@ -7,7 +7,8 @@ worker may read and the owner may not. Each file a job uses is recorded when
 the job plans (size, mtime, ctime, inode, device), from the descriptor the
 scan reads (opened through :mod:`chkq.rundir`, no link followed at any
 level), and every later open checks the *opened* descriptor against that
-record, so a swap between check and open is caught too. """
+record, so a swap between check and open is caught too.
+"""
 
 from __future__ import annotations
 
