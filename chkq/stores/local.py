@@ -5,7 +5,8 @@ planted in the store, at a directory or at a temporary's name, must never
 send a worker's reads, writes or deletes elsewhere. So every operation walks
 from the store's root one name at a time with ``openat(O_NOFOLLOW)`` and
 acts relative to the directory it reached (``*at`` system calls); a link
-anywhere in the way is refused. """
+anywhere in the way is refused.
+"""
 
 from __future__ import annotations
 
