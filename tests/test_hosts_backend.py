@@ -42,8 +42,9 @@ pytestmark = [pytest.mark.slow]
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "200", "CHKQ_TIME_LIMIT": "240",
           "CHKQ_VISIBILITY_TIMEOUT": "300", "CHKQ_BLOCK_BYTES": str(64 * 1024)}
-#: How long the verifying host stays cut off from the result backend.
-CUT_SECONDS = 30
+#: Short time limits: a cut that outlasts them ends the held task by its hard limit.
+SHORT_LIMITS = {**LIMITS, "CHKQ_SOFT_TIME_LIMIT": "20", "CHKQ_TIME_LIMIT": "30",
+                "CHKQ_VISIBILITY_TIMEOUT": "60"}
 #: The job must end within this long after the backend is back.
 END_BOUND = 300
 
@@ -111,11 +112,21 @@ def ready(worker: HostWorker) -> bool:
     return " ready." in worker.log()
 
 
+@pytest.mark.parametrize(("cut_seconds", "limits", "rescue"), [
+    pytest.param(30, LIMITS, False, id="cut-30s"),
+    pytest.param(80, SHORT_LIMITS, True, id="cut-past-the-time-limit"),
+    pytest.param(80, SHORT_LIMITS, False, id="cut-past-the-time-limit-no-other-verifier"),
+])
 def test_result_backend_unreachable_from_the_verifying_host_then_back(
-        hosts: Hosts, amqp_vhost: Vhost, alias: BackendAlias, tmp_path: Path) -> None:
-    here = {**os.environ, **LIMITS, "CHKQ_BROKER_URL": amqp_vhost.url,
+        hosts: Hosts, amqp_vhost: Vhost, alias: BackendAlias, tmp_path: Path,
+        cut_seconds: int, limits: dict[str, str], rescue: bool) -> None:
+    """A cut of 30 s: the held verify resumes when the backend is back. A cut of 80 s,
+    past the worker's time limits: the held verify is ended by its soft limit and handed
+    back, taken either by a second verifying worker (on the building host, which reaches
+    the backend) or, with none, by the cut-off worker again once the backend is back."""
+    here = {**os.environ, **limits, "CHKQ_BROKER_URL": amqp_vhost.url,
             "CHKQ_RESULT_BACKEND": hosts.local_redis_url}
-    remote = {**os.environ, **LIMITS, "CHKQ_BROKER_URL": amqp_vhost.url_for(hosts.address),
+    remote = {**os.environ, **limits, "CHKQ_BROKER_URL": amqp_vhost.url_for(hosts.address),
               "CHKQ_RESULT_BACKEND": hosts.redis_url}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -150,19 +161,24 @@ def test_result_backend_unreachable_from_the_verifying_host_then_back(
             assert not reaches(verifier_host, alias.address, alias.port)
             assert reaches(verifier_host, hosts.address, 5672), "the broker must stay reachable"
             assert reaches(builder_host, alias.address, alias.port), "only one host is cut"
-        wait_for(lambda: unsent_to(verifier_host, alias.address) > 0, CUT_SECONDS,
+        wait_for(lambda: unsent_to(verifier_host, alias.address) > 0, cut_seconds,
                  "the verifying host to send to the cut-off backend")
         # The verifying worker still answers through the broker: not taken for gone.
         verifying = [u for u in status()["steps"]["verify"]  # type: ignore[attr-defined]
                      if u["worker"]]
         assert [(u["worker"], u["worker_gone"]) for u in verifying] == [(verifier.name, None)]
-        time.sleep(max(0.0, CUT_SECONDS - (time.monotonic() - cut)))
+        if rescue:
+            rescuer = hosts.worker(builder_host, remote, tmp_path, "verify")
+            wait_for(lambda: ready(rescuer), 90, "the second verifying worker")
+        time.sleep(max(0.0, cut_seconds - (time.monotonic() - cut)))
         alias.restore(verifier_host)
         restored = time.monotonic()
         out, err = client.communicate(timeout=END_BOUND)
-        ended = time.monotonic() - restored
-        print(f"\nbackend cut from the verifying host for {restored - cut:.1f} s; "
-              f"job ended {ended:.1f} s after it was back (exit {client.returncode})")
+        ended = time.monotonic()
+        print(f"\nbackend cut from the verifying host for {restored - cut:.1f} s; job ended "
+              f"{ended - cut:.1f} s after the cut, {ended - restored:.1f} s after the backend was "
+              f"back (exit {client.returncode}); the cut-off worker handed back tasks "
+              f"{verifier.log().count('handed back to run again')} times")
         if client.returncode == 0:
             assert_consolidated(run_dir / "run.h5", files)
         else:

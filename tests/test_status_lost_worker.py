@@ -141,6 +141,7 @@ def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
             killed = time.time()
         gone = chkq(env, "status", job)
         assert gone.returncode == 0, gone.stderr
+        print(f"\n$ chkq status {job}\n{gone.stdout}")
         assert re.search(r"copy     \d+ tasks: 1 on a gone worker(, \d+ pending)?\n",
                          gone.stdout), gone.stdout
         assert f"STARTED   on {copier.name} (worker gone: not answering; " in gone.stdout, \
