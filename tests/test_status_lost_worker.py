@@ -129,7 +129,9 @@ def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
             copier = Worker(env, tmp_path / "copier.log", "copy", "copier")
             workers.append(copier)
             wait_for(lease.waited_on, 90, "the copy to wait on the held checkpoint")
+            started = time.monotonic()
             alive = chkq(env, "status", job)
+            alive_seconds = time.monotonic() - started
             assert alive.returncode == 0, alive.stderr
             assert f"STARTED   on {copier.name}\n" in alive.stdout + "\n", alive.stdout
             assert "gone" not in alive.stdout, alive.stdout
@@ -139,9 +141,12 @@ def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
             assert isinstance(unit["pid"], int) and unit["pid"] in copier_pool(copier), unit
             copier.kill()
             killed = time.time()
+        started = time.monotonic()
         gone = chkq(env, "status", job)
+        gone_seconds = time.monotonic() - started
         assert gone.returncode == 0, gone.stderr
-        print(f"\n$ chkq status {job}\n{gone.stdout}")
+        print(f"\n$ chkq status {job}\n{gone.stdout}\n(chkq status took {alive_seconds:.2f} s "
+              f"with the worker alive, {gone_seconds:.2f} s with it gone)")
         assert re.search(r"copy     \d+ tasks: 1 on a gone worker(, \d+ pending)?\n",
                          gone.stdout), gone.stdout
         assert f"STARTED   on {copier.name} (worker gone: not answering; " in gone.stdout, \
@@ -149,12 +154,14 @@ def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
         unit = copy_unit(env, job, task)
         assert unit["worker_gone"] == "not answering", unit
         if amqp:
-            assert unit["redelivery"].startswith(
-                "redelivered by RabbitMQ at once when the worker's connection closes"), unit
+            assert unit["redelivery"] == (
+                "RabbitMQ redelivers it once the worker's connection is closed: at once if its "
+                "process died, within ~40 s (two heartbeats) if its host went silent"), unit
             assert unit["redelivered_by"] is None
         else:
-            assert "by the broker's visibility timeout (40 s), once a worker runs" \
-                in unit["redelivery"], unit
+            assert re.fullmatch(r"redelivered by [-\d]+ [:\d]+, in ~\d+ s \(the broker's "
+                                r"visibility timeout, 40 s, swept by a running worker\)",
+                                unit["redelivery"]), unit
             assert killed - TAKEOVER_BOUND < unit["redelivered_by"] <= killed + TAKEOVER_BOUND
         listed = chkq(env, "status")
         assert f"{job}  RUNNING" in listed.stdout and "1 tasks on a gone worker" in listed.stdout, \
@@ -182,3 +189,25 @@ def copier_pool(worker: Worker) -> list[int]:
     import psutil
 
     return [c.pid for c in psutil.Process(worker.process.pid).children()]
+
+
+@pytest.mark.parametrize("name", ["\x1b[2Jcelery@node", "celery@node\nforged line", "node",
+                                  "a" * 300 + "@node", 17])
+def test_a_worker_name_that_is_no_node_name_is_neither_shown_nor_asked(name: object) -> None:
+    """A task's state is untrusted input: its worker name is kept only if it is one."""
+    from chkq.tasks.protocol import _unit
+
+    unit = _unit("j-copy-0", {"status": "PROGRESS",
+                              "result": {"done": 1, "total": 2, "hostname": name, "pid": 7}})
+    assert (unit.state, unit.done, unit.worker, unit.pid) == ("PROGRESS", 1, None, None)
+
+
+def test_a_progress_state_names_its_worker_and_process() -> None:
+    from chkq.tasks.protocol import _unit
+
+    unit = _unit("j-verify-1", {"status": "PROGRESS", "result": {
+        "done": 5, "total": 9, "hostname": "chkq-3@node12.site", "pid": 4242}})
+    assert (unit.worker, unit.pid, unit.worker_gone) == ("chkq-3@node12.site", 4242, None)
+    done = _unit("j-verify-1", {"status": "SUCCESS", "result": {
+        "rows": 9, "hostname": "chkq-3@node12.site", "pid": 4242}})
+    assert done.worker is None, "only a running task is on a worker"

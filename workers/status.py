@@ -249,8 +249,8 @@ def _redelivery(units: list[UnitState]) -> None:
         within = (f"within ~{2 * settings.broker_heartbeat} s (two heartbeats)"
                   if settings.broker_heartbeat else "when TCP gives up (heartbeats are off)")
         for unit in units:
-            unit.redelivery = ("redelivered by RabbitMQ at once when the worker's connection "
-                               f"closes, {within} if its host went silent")
+            unit.redelivery = ("RabbitMQ redelivers it once the worker's connection is closed: "
+                               f"at once if its process died, {within} if its host went silent")
         return
     delivered, queued = _redis_held({u.task_id for u in units})
     now = time.time()
@@ -260,9 +260,11 @@ def _redelivery(units: list[UnitState]) -> None:
         elif unit.task_id in delivered:
             by = delivered[unit.task_id] + settings.takeover_bound
             unit.redelivered_by = by
-            unit.redelivery = (f"redelivered by {_when(by)} (in ~{max(0, round(by - now))} s) "
-                               f"by the broker's visibility timeout "
-                               f"({settings.visibility_timeout} s), once a worker runs")
+            timeout = f"the broker's visibility timeout, {settings.visibility_timeout} s"
+            unit.redelivery = (
+                f"redelivered by {_when(by)}, in ~{round(by - now)} s ({timeout}, swept by a "
+                "running worker)" if by > now else
+                f"overdue since {_when(by)} ({timeout}): the next worker to start redelivers it")
         else:
             unit.redelivery = "its message is neither queued nor held by the broker"
 
