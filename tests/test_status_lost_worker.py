@@ -138,6 +138,13 @@ def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
             unit = copy_unit(env, job)
             assert unit["worker"] == copier.name and unit["worker_gone"] is None, unit
             task = unit["task_id"]
+            dead = "amqp://guest:guest@127.0.0.1:1//" if amqp else "redis://127.0.0.1:1/0"
+            blind = chkq({**env, "CHKQ_BROKER_URL": dead}, "status", job)
+            assert blind.returncode == 0, blind.stderr
+            assert blind.stderr.startswith("warning: could not ask the workers whether they "
+                                           "still run these tasks: the broker is unreachable"), \
+                blind.stderr
+            assert f"STARTED   on {copier.name}\n" in blind.stdout, blind.stdout
             assert isinstance(unit["pid"], int) and unit["pid"] in copier_pool(copier), unit
             copier.kill()
             killed = time.time()

@@ -190,8 +190,11 @@ def _running(statuses: list[JobStatus]) -> list[UnitState]:
             if u.state in ("STARTED", "PROGRESS") and u.worker]
 
 
-def check_workers(statuses: list[JobStatus]) -> None:
+def check_workers(statuses: list[JobStatus]) -> str | None:
     """Mark the running tasks of ``statuses`` whose worker is gone, and when they run again.
+
+    Returns a warning for people when the workers could not be asked (the
+    broker unreachable): the tasks are then shown as their states say.
 
     One ``inspect active`` to the nodes the tasks name, nothing when no task
     runs. A node that does not answer within :data:`LIVENESS_TIMEOUT` is
@@ -200,15 +203,21 @@ def check_workers(statuses: list[JobStatus]) -> None:
     task's state, read again after the answers, still names that node and
     process: a task that ended or moved meanwhile is shown as it is now.
     """
+    from kombu.exceptions import OperationalError
+
     from chkq.config.celery_app import get_app
     from chkq.tasks.protocol import unit_states
 
     units = _running(statuses)
     if not units:
-        return
+        return None
     nodes = sorted({str(u.worker) for u in units})
-    replies = get_app().control.inspect(destination=nodes, timeout=LIVENESS_TIMEOUT,
-                                        limit=len(nodes)).active() or {}
+    try:
+        replies = get_app().control.inspect(destination=nodes, timeout=LIVENESS_TIMEOUT,
+                                            limit=len(nodes)).active() or {}
+    except (OperationalError, OSError) as exc:
+        return (f"could not ask the workers whether they still run these tasks: the broker "
+                f"is unreachable ({type(exc).__name__}: {exc})")
     suspects: list[UnitState] = []
     for unit in units:
         if unit.worker not in replies:
@@ -220,7 +229,7 @@ def check_workers(statuses: list[JobStatus]) -> None:
             unit.worker_gone = "it answers but does not run the task"
             suspects.append(unit)
     if not suspects:
-        return
+        return None
     now = unit_states([u.task_id for u in suspects])
     for unit in suspects:
         again = now[unit.task_id]
@@ -229,6 +238,7 @@ def check_workers(statuses: list[JobStatus]) -> None:
     gone = [u for u in suspects if u.worker_gone]
     if gone:
         _redelivery(gone)
+    return None
 
 
 def _redelivery(units: list[UnitState]) -> None:
@@ -252,7 +262,14 @@ def _redelivery(units: list[UnitState]) -> None:
             unit.redelivery = ("RabbitMQ redelivers it once the worker's connection is closed: "
                                f"at once if its process died, {within} if its host went silent")
         return
-    delivered, queued = _redis_held({u.task_id for u in units})
+    import redis
+
+    try:
+        delivered, queued = _redis_held({u.task_id for u in units})
+    except (redis.RedisError, OSError) as exc:
+        for unit in units:
+            unit.redelivery = f"when is unknown: the broker could not be read ({exc})"
+        return
     now = time.time()
     for unit in units:
         if unit.task_id in queued:
@@ -296,6 +313,11 @@ def _redis_held(tasks: set[str]) -> tuple[dict[str, float], set[str]]:
     return delivered, queued
 
 
+def _warn(warning: str | None) -> None:
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``chkq status [JOB]``."""
     from chkq.config.celery_app import get_settings
@@ -305,14 +327,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise ConfigurationError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
-        check_workers(statuses)
+        _warn(check_workers(statuses))
         if args.json:
             print(json.dumps([asdict(s) for s in statuses], indent=2, default=str))
         else:
             print(format_recent(statuses))
         return 0
     status = job_status(resolve_job(args.job))
-    check_workers([status])
+    _warn(check_workers([status]))
     print(json.dumps(asdict(status), indent=2, default=str) if args.json else format_job(status))
     sys.stdout.flush()
     if status.state == "FAILURE":
