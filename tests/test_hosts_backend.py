@@ -178,7 +178,8 @@ def test_result_backend_unreachable_from_the_verifying_host_then_back(
         print(f"\nbackend cut from the verifying host for {restored - cut:.1f} s; job ended "
               f"{ended - cut:.1f} s after the cut, {ended - restored:.1f} s after the backend was "
               f"back (exit {client.returncode}); the cut-off worker handed back tasks "
-              f"{verifier.log().count('handed back to run again')} times")
+              f"{verifier.log().count('handed back to run again')} times"
+              + (f"; {err.strip().splitlines()[-1]}" if client.returncode else ""))
         if client.returncode == 0:
             assert_consolidated(run_dir / "run.h5", files)
         else:
