@@ -193,15 +193,18 @@ def _running(statuses: list[JobStatus]) -> list[UnitState]:
 def check_workers(statuses: list[JobStatus]) -> str | None:
     """Mark the running tasks of ``statuses`` whose worker is gone, and when they run again.
 
-    Returns a warning for people when the workers could not be asked (the
-    broker unreachable): the tasks are then shown as their states say.
-
     One ``inspect active`` to the nodes the tasks name, nothing when no task
     runs. A node that does not answer within :data:`LIVENESS_TIMEOUT` is
     gone; one that answers but does not run the task (its pool process died,
     or the node restarted under the same name) no longer runs it, once the
     task's state, read again after the answers, still names that node and
     process: a task that ended or moved meanwhile is shown as it is now.
+
+    Returns
+    -------
+    str or None
+        A warning for people when the workers could not be asked (the broker
+        unreachable): the tasks are then shown as their states say.
     """
     from kombu.exceptions import OperationalError
 
@@ -303,7 +306,7 @@ def _redis_held(tasks: set[str]) -> tuple[dict[str, float], set[str]]:
                 task = json.loads(raw)[0].get("headers", {}).get("id")
             except (ValueError, AttributeError, IndexError, KeyError, TypeError):
                 continue
-            if task in tasks:
+            if isinstance(task, str) and task in tasks:
                 score = client.zscore("unacked_index", tag)
                 if score is not None:
                     delivered[task] = max(delivered.get(task, 0.0), float(score))
