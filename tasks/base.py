@@ -8,6 +8,7 @@ which Flower shows. Both are throttled.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -75,7 +76,10 @@ class ChkqTask(Task):
         self._last_report = now
         meta = {"done": done, "total": total, **info}
         if self.request.id and not self.request.called_directly:
-            self.update_state(state=PROGRESS, meta=meta)
+            # Which worker runs the task, as Celery's STARTED state says: ``chkq
+            # status`` asks that worker whether it still does.
+            self.update_state(state=PROGRESS, meta={
+                **meta, "hostname": self.request.hostname, "pid": os.getpid()})
             self.send_event("task-progress", **meta)
 
 

@@ -737,6 +737,16 @@ class UnitState:
         Rows done and to do, from a PROGRESS state or a result.
     error, error_type
         ``Type: message`` of the exception of a failed task, and its type.
+    worker, pid
+        The worker node (``celery@host``) and pool process that last recorded the
+        task as started or in progress; None when not recorded or not a node name.
+    worker_gone
+        Why that worker is taken for gone (``not answering``...), or None: it
+        runs the task, or nobody looked (see ``chkq.workers.status``).
+    redelivery, redelivered_by
+        For a task of a gone worker: when the broker hands its message to another
+        worker, for people, and as seconds since the epoch when the broker's
+        records give the moment (Redis), else None.
     """
 
     task_id: str
@@ -745,6 +755,11 @@ class UnitState:
     total: int | None = None
     error: str | None = None
     error_type: str | None = None
+    worker: str | None = None
+    pid: int | None = None
+    worker_gone: str | None = None
+    redelivery: str | None = None
+    redelivered_by: float | None = None
 
 
 @dataclass
@@ -801,6 +816,25 @@ def fetch_metas(task_ids: list[str]) -> dict[str, dict[str, Any] | None]:
     return metas
 
 
+#: What a worker node name may look like (``celery@host``, ``chkq-3@node12.site``).
+_NODE_NAME = re.compile(r"[\w.+-]{1,100}@[\w.-]{1,155}")
+
+#: States of a task that a worker runs now.
+RUNNING_STATES = ("STARTED", "PROGRESS")
+
+
+def _worker_of(result: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The worker node and pool pid a STARTED or PROGRESS meta names.
+
+    The meta is untrusted input: a name that does not look like a node name
+    is dropped, so nothing else is shown or asked for.
+    """
+    hostname, pid = result.get("hostname"), result.get("pid")
+    if not isinstance(hostname, str) or not _NODE_NAME.fullmatch(hostname):
+        return None, None
+    return hostname, pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+
+
 def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
     if meta is None:
         return UnitState(task_id, "PENDING")
@@ -814,7 +848,14 @@ def _unit(task_id: str, meta: dict[str, Any] | None) -> UnitState:
         unit.done = int(done) if isinstance(done, int) else None
         total = result.get("total", result.get("rows"))
         unit.total = int(total) if isinstance(total, int) else None
+        if state in RUNNING_STATES:
+            unit.worker, unit.pid = _worker_of(result)
     return unit
+
+
+def unit_states(task_ids: list[str]) -> dict[str, UnitState]:
+    """The stored state of each of ``task_ids`` now (one read)."""
+    return {t: _unit(t, meta) for t, meta in fetch_metas(task_ids).items()}
 
 
 _HEX = re.compile(r"[0-9a-f]+")

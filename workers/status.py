@@ -11,6 +11,13 @@ what it wrote, how long it took and its warnings; without, one line for each
 recent job. A failed or cancelled job also prints ``error: ...`` on stderr
 and exits 1, like ``chkq consolidate``; an unknown job exits 1.
 
+A task recorded as running names the worker node that started it. When
+anything runs, ``chkq status`` asks those nodes, once and only them, which
+tasks they run (a broadcast that returns as soon as all have answered, or
+after :data:`LIVENESS_TIMEOUT`): a task whose node does not answer, or
+answers but no longer runs it, is shown as on a gone worker, with when the
+broker hands its message to another worker.
+
 ``chkq cancel JOB`` stops a job on a cluster: it removes the job's messages
 still queued in the broker, revokes its tasks (terminating running ones),
 removes its temporaries, and records the job as cancelled, which ``chkq
@@ -24,6 +31,7 @@ import datetime
 import json
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +46,9 @@ STEPS = ("plan", "copy", "merge", "verify", "link")
 #: Units listed one per line at most, per step, in the detailed view.
 MAX_LISTED = 10
 
+#: Seconds ``chkq status`` waits for the workers running a job's tasks to answer.
+LIVENESS_TIMEOUT = 1.5
+
 
 def _when(timestamp: float | None) -> str:
     if timestamp is None:
@@ -49,16 +60,28 @@ def _summary(units: list[UnitState]) -> str:
     counts: dict[str, int] = {}
     for unit in units:
         counts[unit.state] = counts.get(unit.state, 0) + 1
+    lost = sum(1 for unit in units if unit.worker_gone)
     words = {"SUCCESS": "done", "PROGRESS": "running", "STARTED": "running",
              "FAILURE": "failed", "PENDING": "pending", "RETRY": "retrying"}
-    merged: dict[str, int] = {}
+    merged: dict[str, int] = {"on a gone worker": lost} if lost else {}
     for state, n in counts.items():
         word = words.get(state, state.lower())
-        merged[word] = merged.get(word, 0) + n
-    order = ["done", "running", "failed", "retrying", "pending"]
+        merged[word] = merged.get(word, 0) + n - (lost if word == "running" else 0)
+    merged = {w: n for w, n in merged.items() if n}
+    order = ["done", "running", "on a gone worker", "failed", "retrying", "pending"]
     parts = [f"{merged.pop(w)} {w}" for w in order if w in merged]
     parts += [f"{n} {w}" for w, n in merged.items()]
     return f"{len(units)} tasks: " + ", ".join(parts) if units else "no tasks yet"
+
+
+def _where(unit: UnitState) -> str:
+    """`` on celery@host`` and, for a gone worker, why and when the task runs again."""
+    if not unit.worker:
+        return ""
+    where = f" on {unit.worker}"
+    if unit.worker_gone:
+        where += f" (worker gone: {unit.worker_gone}; {unit.redelivery})"
+    return where
 
 
 def _unit_line(unit: UnitState) -> str:
@@ -68,7 +91,7 @@ def _unit_line(unit: UnitState) -> str:
         return f"{line} {unit.error}"
     if unit.done is not None and unit.total is not None:
         line += f" {unit.done:,}/{unit.total:,} rows"
-    return line
+    return line + _where(unit)
 
 
 def format_job(status: JobStatus) -> str:
@@ -113,7 +136,7 @@ def format_job(status: JobStatus) -> str:
             p = status.plan
             detail = (f" {p.get('files')} files, {p.get('rows', 0):,} rows, "
                       f"{p.get('copy_units')} copy and {p.get('verify_units')} verify tasks")
-        lines.append(f"  {step:<8} {unit.state}{detail}")
+        lines.append(f"  {step:<8} {unit.state}{detail}{_where(unit)}")
     if status.state == "FAILURE":
         lines.append(f"  failed task: {status.failed_task}")
         lines.append(f"  reason: {status.error}")
@@ -140,6 +163,9 @@ def format_recent(statuses: list[JobStatus]) -> str:
             detail = f"copied {copied:,}/{total:,}, verified {verified:,}/{total:,} rows"
         else:
             detail = ""
+        lost = sum(1 for units in s.steps.values() for u in units if u.worker_gone)
+        if lost:
+            detail += (", " if detail else "") + f"{lost} tasks on a gone worker"
         where = f"{s.model} in {s.out_dir}" if s.model else ""
         lines.append(f"{s.job:<32}  {s.state:<{state_width}} {s.phase:<{phase_width}} "
                      f"{_when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
@@ -159,6 +185,142 @@ def recent_statuses(limit: int) -> list[JobStatus]:
     return found
 
 
+def _running(statuses: list[JobStatus]) -> list[UnitState]:
+    return [u for s in statuses for units in s.steps.values() for u in units
+            if u.state in ("STARTED", "PROGRESS") and u.worker]
+
+
+def check_workers(statuses: list[JobStatus]) -> str | None:
+    """Mark the running tasks of ``statuses`` whose worker is gone, and when they run again.
+
+    One ``inspect active`` to the nodes the tasks name, nothing when no task
+    runs. A node that does not answer within :data:`LIVENESS_TIMEOUT` is
+    gone; one that answers but does not run the task (its pool process died,
+    or the node restarted under the same name) no longer runs it, once the
+    task's state, read again after the answers, still names that node and
+    process: a task that ended or moved meanwhile is shown as it is now.
+
+    Returns
+    -------
+    str or None
+        A warning for people when the workers could not be asked (the broker
+        unreachable): the tasks are then shown as their states say.
+    """
+    from kombu.exceptions import OperationalError
+
+    from chkq.config.celery_app import get_app
+    from chkq.tasks.protocol import unit_states
+
+    units = _running(statuses)
+    if not units:
+        return None
+    nodes = sorted({str(u.worker) for u in units})
+    try:
+        replies = get_app().control.inspect(destination=nodes, timeout=LIVENESS_TIMEOUT,
+                                            limit=len(nodes)).active() or {}
+    except (OperationalError, OSError) as exc:
+        return (f"could not ask the workers whether they still run these tasks: the broker "
+                f"is unreachable ({type(exc).__name__}: {exc})")
+    suspects: list[UnitState] = []
+    for unit in units:
+        if unit.worker not in replies:
+            unit.worker_gone = "not answering"
+            suspects.append(unit)
+            continue
+        active = replies.get(str(unit.worker)) or []
+        if not any(isinstance(t, dict) and t.get("id") == unit.task_id for t in active):
+            unit.worker_gone = "it answers but does not run the task"
+            suspects.append(unit)
+    if not suspects:
+        return None
+    now = unit_states([u.task_id for u in suspects])
+    for unit in suspects:
+        again = now[unit.task_id]
+        if (again.state, again.worker, again.pid) != (unit.state, unit.worker, unit.pid):
+            vars(unit).update(vars(again))  # it moved or ended meanwhile: show it as it is
+    gone = [u for u in suspects if u.worker_gone]
+    if gone:
+        _redelivery(gone)
+    return None
+
+
+def _redelivery(units: list[UnitState]) -> None:
+    """Say when the broker hands the messages of ``units`` (tasks of gone workers) out again.
+
+    RabbitMQ returns a consumer's unacknowledged messages to their queue as
+    soon as its connection closes: at once when the worker's process died,
+    within about two heartbeats when its host went silent. Redis keeps a
+    delivered message in its unacknowledged index, stamped with the moment
+    of delivery, until a live worker's sweep finds it older than the
+    visibility timeout.
+    """
+    from chkq.config.celery_app import get_app, get_settings
+    from chkq.config.settings import AMQP_SCHEMES, broker_scheme
+
+    settings = get_settings()
+    if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
+        within = (f"within ~{2 * settings.broker_heartbeat} s (two heartbeats)"
+                  if settings.broker_heartbeat else "when TCP gives up (heartbeats are off)")
+        for unit in units:
+            unit.redelivery = ("RabbitMQ redelivers it once the worker's connection is closed: "
+                               f"at once if its process died, {within} if its host went silent")
+        return
+    import redis
+
+    try:
+        delivered, queued = _redis_held({u.task_id for u in units})
+    except (redis.RedisError, OSError) as exc:
+        for unit in units:
+            unit.redelivery = f"when is unknown: the broker could not be read ({exc})"
+        return
+    now = time.time()
+    for unit in units:
+        if unit.task_id in queued:
+            unit.redelivery = "back in its queue: the next free worker runs it"
+        elif unit.task_id in delivered:
+            by = delivered[unit.task_id] + settings.takeover_bound
+            unit.redelivered_by = by
+            timeout = f"the broker's visibility timeout, {settings.visibility_timeout} s"
+            unit.redelivery = (
+                f"redelivered by {_when(by)}, in ~{round(by - now)} s ({timeout}, swept by a "
+                "running worker)" if by > now else
+                f"overdue since {_when(by)} ({timeout}): the next worker to start redelivers it")
+        else:
+            unit.redelivery = "its message is neither queued nor held by the broker"
+
+
+def _redis_held(tasks: set[str]) -> tuple[dict[str, float], set[str]]:
+    """Of ``tasks``: when each delivered but unacknowledged message was delivered, and
+    which wait in a queue, read from kombu's Redis transport (its ``unacked`` hash of
+    ``[message, exchange, routing key]`` by delivery tag, its ``unacked_index`` of
+    delivery times, and the queues' lists)."""
+    import redis
+
+    from chkq.config.celery_app import get_app
+
+    client = redis.Redis.from_url(get_app().conf.broker_url)
+    delivered: dict[str, float] = {}
+    try:
+        for tag, raw in client.hscan_iter("unacked", count=1000):
+            try:
+                task = json.loads(raw)[0].get("headers", {}).get("id")
+            except (ValueError, AttributeError, IndexError, KeyError, TypeError):
+                continue
+            if isinstance(task, str) and task in tasks:
+                score = client.zscore("unacked_index", tag)
+                if score is not None:
+                    delivered[task] = max(delivered.get(task, 0.0), float(score))
+        queued = {task for _, _, task in _redis_queued(client) if task in tasks}
+    finally:
+        client.close()
+    return delivered, queued
+
+
+def _warn(warning: str | None) -> None:
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     """``chkq status [JOB]``."""
     from chkq.config.celery_app import get_settings
@@ -168,12 +330,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise ConfigurationError("chkq status needs a cluster: set CHKQ_BROKER_URL")
     if args.job is None:
         statuses = recent_statuses(args.limit)
+        _warn(check_workers(statuses))
         if args.json:
             print(json.dumps([asdict(s) for s in statuses], indent=2, default=str))
         else:
             print(format_recent(statuses))
         return 0
     status = job_status(resolve_job(args.job))
+    _warn(check_workers([status]))
     print(json.dumps(asdict(status), indent=2, default=str) if args.json else format_job(status))
     sys.stdout.flush()
     if status.state == "FAILURE":
@@ -219,29 +383,40 @@ def purge_queued(job: str) -> int:
     return _purge_redis(job)
 
 
+def _redis_queued(client: Any) -> Iterator[tuple[bytes, bytes, str]]:
+    """``(list key, raw message, task id)`` of every message waiting in chkq's queues.
+
+    kombu's Redis transport keeps each queue as lists (one per priority step)
+    of JSON messages whose headers carry the task id.
+    """
+    from chkq.config.routing import QUEUES
+
+    for queue in QUEUES:
+        keys = [k for k in client.scan_iter(match=f"{queue}*", count=1000)
+                if k.decode(errors="replace") == queue
+                or k.decode(errors="replace").startswith(queue + "\x06\x16")]
+        for key in keys:
+            for raw in client.lrange(key, 0, -1):
+                try:
+                    task = json.loads(raw).get("headers", {}).get("id", "")
+                except (ValueError, AttributeError):
+                    continue
+                if isinstance(task, str):
+                    yield key, raw, task
+
+
 def _purge_redis(job: str) -> int:
-    """kombu's Redis transport keeps each queue as lists (one per priority step) of
-    JSON messages whose headers carry the task id: remove the job's from them."""
+    """Remove the job's messages from the queues' lists in Redis."""
     import redis
 
     from chkq.config.celery_app import get_app
-    from chkq.config.routing import QUEUES
 
     client = redis.Redis.from_url(get_app().conf.broker_url)
     removed = 0
     try:
-        for queue in QUEUES:
-            keys = [k for k in client.scan_iter(match=f"{queue}*", count=1000)
-                    if k.decode(errors="replace") == queue
-                    or k.decode(errors="replace").startswith(queue + "\x06\x16")]
-            for key in keys:
-                for raw in client.lrange(key, 0, -1):
-                    try:
-                        task = json.loads(raw).get("headers", {}).get("id", "")
-                    except (ValueError, AttributeError):
-                        continue
-                    if isinstance(task, str) and _of_job(task, job):
-                        removed += int(client.lrem(key, 0, raw))  # type: ignore[arg-type]
+        for key, raw, task in list(_redis_queued(client)):
+            if _of_job(task, job):
+                removed += int(client.lrem(key, 0, raw))  # type: ignore[arg-type]
     finally:
         client.close()
     return removed
