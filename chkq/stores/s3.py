@@ -283,20 +283,13 @@ class S3Store(CheckpointStore):
             raise
 
     def _get(self, key: str) -> bytes:
-        name = self._prefix + key
-
-        def attempt() -> bytes:
-            try:
-                answer = self._client.get_object(Bucket=self._bucket, Key=name)
-            except ClientError as exc:
-                if _is_not_found(exc):
-                    raise KeyError(key) from None
-                raise
-            return bytes(answer["Body"].read())
-
-        return self._retry(attempt, f"get {key}")
+        return self._read(key, None)
 
     def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._read(key, limit + 1)
+
+    def _read(self, key: str, amount: int | None) -> bytes:
+        """The object at ``key``: its first ``amount`` bytes, or all of it (``None``)."""
         name = self._prefix + key
 
         def attempt() -> bytes:
@@ -308,7 +301,7 @@ class S3Store(CheckpointStore):
                 raise
             body = answer["Body"]
             try:
-                return bytes(body.read(limit + 1))
+                return bytes(body.read(amount))
             finally:
                 body.close()
 
