@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from chkq import delta as codec
@@ -44,6 +45,21 @@ if TYPE_CHECKING:
 __all__ = ["collect"]
 
 logger = logging.getLogger(__name__)
+
+
+def _aged(log: CheckpointLog, group: str, now: float, skip: Callable[[str], bool]
+          ) -> Iterator[tuple[str, str, float]]:
+    """(key, checkpoint, age in seconds) of each key of ``group`` that names a checkpoint,
+    is not ``skip``-ped and still exists (a key deleted meanwhile is passed over)."""
+    for key in log._list(log.keys.group(group)):
+        checkpoint = log.keys.parse(key).checkpoint
+        if checkpoint is None or skip(key):
+            continue
+        try:
+            modified = log.store.modified(key)
+        except KeyError:
+            continue
+        yield key, checkpoint, now - modified
 
 
 def collect(log: CheckpointLog, older_than: float) -> list[str]:
@@ -59,28 +75,15 @@ def collect(log: CheckpointLog, older_than: float) -> list[str]:
     referenced = {r.payload for r in records}
     deleted: list[str] = []
     _settle_trash(log, now, older_than)
-    for key in log._list(log.keys.group("payloads")):
-        checkpoint = log.keys.parse(key).checkpoint
-        if key in referenced or checkpoint is None:
-            continue
-        try:
-            age = now - log.store.modified(key)
-        except KeyError:
-            continue
+    for key, checkpoint, age in _aged(log, "payloads", now, skip=referenced.__contains__):
         if age < older_than or _names_payload(log, checkpoint, key):
             continue
         if _remove_orphan(log, checkpoint, key):
             deleted.append(key)
     parents = {r.parent for r in records}
     heads = {r.id for r in records if r.id not in parents}
-    for key in log._list(log.keys.group("heads")):
-        checkpoint = log.keys.parse(key).checkpoint
-        if checkpoint is None or checkpoint in heads:
-            continue
-        try:
-            age = now - log.store.modified(key)
-        except KeyError:
-            continue
+    for key, checkpoint, age in _aged(log, "heads", now,
+                                      skip=lambda key: log.keys.parse(key).checkpoint in heads):
         if checkpoint in log._records or age >= older_than:
             log.store.delete(key)
             deleted.append(key)
