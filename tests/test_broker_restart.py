@@ -20,10 +20,8 @@ import pytest
 from chkq.demo import make_run
 from chkq.tasks.base import JobInterruptedError
 from chkq.workers.client import submit_consolidation
-from tests.helpers import assert_consolidated, snapshot, wait_for
-from tests.test_faults import SLOW_RUN, Cluster, checkpoints_only, leftovers, make_cluster
-
-__all__ = ["make_cluster"]
+from support.helpers import assert_consolidated, snapshot, wait_for
+from support.plugins.faults import SLOW_RUN, Cluster, checkpoints_only, leftovers
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import assert_consolidated, snapshot
+from support.helpers import assert_consolidated, snapshot
 
 TIMEOUT = 180
 

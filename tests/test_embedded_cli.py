@@ -26,7 +26,7 @@ from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError, open_store
 from chkq.stores import base as store_base
 from chkq.workers.broker import PrivateRedis, free_port
-from tests.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET
 
 CHKQ = str(Path(sys.executable).parent / "chkq")
 TIMEOUT = 120.0

@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from chkq.workers.broker import PrivateRedis
-from tests.plugins.users import LocalUser
+from support.plugins.users import LocalUser
 
 TIMEOUT = 120.0
 

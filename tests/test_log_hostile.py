@@ -26,8 +26,8 @@ from chkq.stores.memory import MemoryStore
 from chkq.stores.url import open_store
 from chkq.workers.cli import main as chkq_main
 from chkq.workers.commit_client import record_of, submit_commit
-from tests.plugins.cluster import WorkerProcess
-from tests.plugins.object_stores import make_store
+from support.plugins.cluster import WorkerProcess
+from support.plugins.object_stores import make_store
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -18,7 +18,7 @@ from chkq.log.delta import compress_full
 from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 from chkq.workers.cli import main as chkq_main
-from tests.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET
 
 TIMEOUT = 120
 

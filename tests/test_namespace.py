@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from chkq.demo import RunShape, make_run
-from tests.plugins.cluster import WorkerProcess
+from support.plugins.cluster import WorkerProcess
 
 PROGRAM = textwrap.dedent("""
     import sys

@@ -30,8 +30,8 @@ import pytest
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis, free_port
 from chkq.workers.launch import launch_worker
-from tests import helpers
-from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
+from support import helpers
+from support.helpers import assert_consolidated, corrupt_chunk, snapshot
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 AUTH = ("ops", "s3cret-pass")

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import snapshot, wait_for, write_lease
+from support.helpers import snapshot, wait_for, write_lease
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 

@@ -26,8 +26,8 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
-from tests.helpers import assert_consolidated, snapshot, wait_for, write_lease
-from tests.plugins.rabbitmq import Vhost, amqp_vhost
+from support.helpers import assert_consolidated, snapshot, wait_for, write_lease
+from support.plugins.rabbitmq import Vhost, amqp_vhost
 
 __all__ = ["amqp_vhost"]
 

@@ -2,8 +2,8 @@
 
 The same suite runs on the local directory, in-memory, S3 (moto's HTTP
 server) and GCS (fake-gcs-server) stores via the parametrized ``store``
-fixture of :mod:`tests.plugins.object_stores`.  Network faults are injected
-for real with :class:`tests.plugins.object_stores.FaultProxy`.
+fixture of :mod:`support.plugins.object_stores`.  Network faults are injected
+for real with :class:`support.plugins.object_stores.FaultProxy`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from chkq.stores import (
     MemoryStore,
     open_store,
 )
-from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy
+from support.plugins.object_stores import BUCKET, BlackHole, FaultProxy
 
 MiB = 1 << 20
 

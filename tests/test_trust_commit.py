@@ -26,7 +26,7 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 60
 SECRET = b"the worker must neither read this into a log nor delete it"

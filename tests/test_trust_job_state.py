@@ -45,10 +45,10 @@ from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port
 from chkq.workers.client import ConsolidationJob
-from tests.helpers import snapshot
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.users import LocalUser
-from tests.test_signing import SignedWorker
+from support.helpers import snapshot
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.signing import SignedWorker
+from support.plugins.users import LocalUser
 
 TIMEOUT = 120
 RUN, MODEL = "run", "run"

@@ -34,9 +34,9 @@ from chkq.errors import (
 )
 from chkq.tasks.protocol import JobStatus, consolidation_signature, record_submitted
 from chkq.workers.client import ConsolidationJob, ConsolidationWarning, submit_consolidation
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess
-from tests.plugins.users import LocalUser
+from support.helpers import assert_consolidated, snapshot
+from support.plugins.cluster import WorkerProcess
+from support.plugins.users import LocalUser
 
 TIMEOUT = 180
 
