@@ -7,7 +7,7 @@ module:
   workers (``redis_server``, ``worker``, ``start_worker``, ``make_cluster``), or, marked
   in its module, the ``chkq`` command line, an embedded cluster, a script;
 - ``integration``: it talks to other servers or users — the S3 and GCS emulators (also a
-  ``store`` of kind ``s3`` or ``gcs``), RabbitMQ, two real local users, network
+  ``store`` or ``kind`` parameter ``s3`` or ``gcs``), RabbitMQ, two real local users, network
   namespaces;
 - ``fault``: it injects a real fault — network faults through a proxy or a cut link, or,
   marked in its module, killed processes and servers;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import _posixsubprocess
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,8 +47,9 @@ INTEGRATION_FIXTURES = frozenset({"s3_endpoint", "gcs_endpoint", "s3_proxy", "gc
                                   "black_hole", "amqp_vhost", "local_users", "hosts"})
 #: Fixtures that inject network faults.
 FAULT_FIXTURES = frozenset({"s3_proxy", "gcs_proxy", "black_hole", "hosts"})
-#: Kinds of the ``store`` fixture served by an emulator.
+#: Store kinds served by an emulator, as the ``store`` fixture or a ``kind`` parameter name them.
 SERVER_STORES = frozenset({"s3", "gcs"})
+STORE_PARAMS = ("store", "kind")
 KINDS = ("cluster", "integration", "fault")
 
 
@@ -66,8 +68,8 @@ def kinds_of(item: pytest.Item) -> set[str]:
         kinds.add("integration")
     if fixtures & FAULT_FIXTURES:
         kinds.add("fault")
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and callspec.params.get("store") in SERVER_STORES:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if any(params.get(name) in SERVER_STORES for name in STORE_PARAMS):
         kinds.add("integration")
     if not kinds & {"cluster", "integration"}:
         kinds.add("unit")
@@ -95,6 +97,7 @@ def _one_process(request: pytest.FixtureRequest,
     """A ``unit`` test runs in this process: every way to start a child raises."""
     if request.node.get_closest_marker("unit") is not None:
         monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("a child process"))
+        monkeypatch.setattr(subprocess, "_fork_exec", _refuse("a child process"))
         for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
             monkeypatch.setattr(os, name, _refuse(f"a child process (os.{name})"))
     yield

@@ -23,7 +23,8 @@ from chkq.workers.client import submit_consolidation
 from support.helpers import assert_consolidated, snapshot, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster, checkpoints_only, leftovers
 
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.fault,
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 #: Limits far above the test's own waits: only a restore on reconnect brings a task back.
 LONG_LIMITS = {

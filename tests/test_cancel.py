@@ -27,6 +27,9 @@ from chkq.workers.broker import PrivateRedis
 from chkq.workers.launch import launch_worker, stop_worker
 from support.helpers import snapshot, wait_for, write_lease
 
+#: Every test here starts processes (workers, the command line).
+pytestmark = pytest.mark.cluster
+
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 TIMEOUT = 120.0
 

@@ -13,6 +13,9 @@ import pytest
 from chkq.demo import RunShape, make_run
 from support.helpers import assert_consolidated, snapshot
 
+#: Every test here starts processes (the command line, an embedded cluster).
+pytestmark = pytest.mark.cluster
+
 TIMEOUT = 180
 
 

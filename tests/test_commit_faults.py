@@ -23,6 +23,9 @@ from support.helpers import checkpoint_series, payload_keys
 from support.plugins.cluster import WorkerProcess, consumers_paused
 from support.plugins.object_stores import BUCKET, FaultProxy
 
+#: Every test here kills a process or cuts a server off.
+pytestmark = pytest.mark.fault
+
 TIMEOUT = 180
 
 
@@ -101,6 +104,7 @@ log.commit(open(sys.argv[2], "rb").read(), sys.argv[3] if len(sys.argv) > 3 else
 """
 
 
+@pytest.mark.cluster
 def test_gc_removes_what_a_killed_committer_left_and_nothing_else(tmp_path: Path) -> None:
     """A committer SIGKILLed between payload and record leaves one orphan; gc takes it."""
     url = f"file://{tmp_path / 'store'}"

@@ -51,7 +51,8 @@ from support.plugins.faults import (
 
 # A result handle collected after its Redis was killed cannot unsubscribe: that
 # is the fault injected here, not an error of the code under test.
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.fault,
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 LIMITS = Settings(soft_time_limit=8, time_limit=10, visibility_timeout=12)
 

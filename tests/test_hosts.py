@@ -34,7 +34,7 @@ from support.plugins.rabbitmq import Vhost, amqp_vhost
 
 __all__ = ["amqp_vhost", "hosts"]
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.fault,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 #: A node's loss must cost a job at most this long (from the loss to the job's end).

@@ -37,7 +37,7 @@ from support.plugins.rabbitmq import Vhost, amqp_vhost
 
 __all__ = ["amqp_vhost", "hosts"]
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "200", "CHKQ_TIME_LIMIT": "240",

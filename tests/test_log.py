@@ -240,6 +240,7 @@ def _assert_consistent(log: CheckpointLog) -> None:
         assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id
 
 
+@pytest.mark.cluster
 def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     writers, count = 3, 8
@@ -352,6 +353,7 @@ def test_random_histories_load_exactly(seed: int) -> None:
         assert view.load(checkpoint) == expected
 
 
+@pytest.mark.cluster
 def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) -> None:
     """Fault bar: nothing lost, no orphan payloads."""
     url = (tmp_path / "store").as_uri()

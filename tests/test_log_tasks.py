@@ -112,6 +112,7 @@ def chkq(*args: str, broker: bool = False) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.cluster
 def test_log_cli_on_the_embedded_cluster(tmp_path: Path) -> None:
     """``chkq log`` end to end with no broker configured (embedded cluster)."""
     paths = checkpoint_series(tmp_path / "run", 3)
@@ -146,6 +147,7 @@ def test_log_cli_on_the_embedded_cluster(tmp_path: Path) -> None:
     assert usage.returncode == 2
 
 
+@pytest.mark.cluster
 def test_gc_removes_only_payloads_left_by_a_crashed_committer(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     paths = checkpoint_series(tmp_path / "run", 2)

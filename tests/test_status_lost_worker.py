@@ -29,6 +29,9 @@ from chkq.workers.broker import PrivateRedis
 from support.helpers import assert_consolidated, snapshot, wait_for, write_lease
 from support.plugins.rabbitmq import Vhost, amqp_vhost
 
+#: Every test here kills a process or cuts a server off.
+pytestmark = pytest.mark.fault
+
 __all__ = ["amqp_vhost"]
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
@@ -103,6 +106,8 @@ def cluster_env(request: pytest.FixtureRequest, backend: str) -> dict[str, str]:
     return {**os.environ, **LIMITS, "CHKQ_BROKER_URL": broker, "CHKQ_RESULT_BACKEND": backend}
 
 
+@pytest.mark.cluster
+@pytest.mark.integration
 def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
         cluster_env: dict[str, str], tmp_path: Path) -> None:
     env = cluster_env

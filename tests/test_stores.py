@@ -172,6 +172,7 @@ def _race(url: str, worker: int, keys: list[str], barrier: object) -> list[bool]
     return [store.put_if_absent(key, f"writer {worker}".encode()) for key in keys]
 
 
+@pytest.mark.cluster
 def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> None:
     """Several processes race to create the same keys: exactly one wins each.
 
@@ -220,6 +221,7 @@ def test_open_store_urls(tmp_path: Path) -> None:
             open_store(bad)
 
 
+@pytest.mark.integration
 def test_cloud_urls(request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("s3_endpoint")
     request.getfixturevalue("gcs_endpoint")

@@ -41,6 +41,7 @@ from chkq.consolidation.plan import Plan
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
+from chkq.lru import LRU
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port
@@ -87,7 +88,7 @@ def _self_signed(directory: Path, name: str) -> dict[str, str]:
 def fake(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
     server = fakeredis.FakeRedis()
     monkeypatch.setattr(protocol, "_client", lambda: server)
-    monkeypatch.setattr(protocol, "_PLANS", type(protocol._PLANS)())
+    monkeypatch.setattr(protocol, "_PLANS", LRU(protocol.PLAN_CACHE))
     return server
 
 
