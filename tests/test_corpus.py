@@ -15,7 +15,6 @@ By default a representative subset runs; the whole corpus with
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import warnings
@@ -27,6 +26,7 @@ import pytest
 from chkq.workers.client import submit_consolidation
 from support.corpus import all_cases, make_run, resolve
 from support.corpus_expect import compare_full, template_of, walk
+from support.helpers import snapshot
 
 pytestmark = pytest.mark.corpus
 
@@ -77,14 +77,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_subset_names_exist() -> None:
     missing = sorted(set(SUBSET) - set(all_cases()))
     assert not missing, f"SUBSET names no corpus case: {missing}"
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        rel = str(path.relative_to(directory))
-        found[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
 
 
 def names_an_object(message: str, template: Path, scratch: Path) -> bool:
