@@ -162,7 +162,7 @@ def task_lifecycle(check: Callable[..., Checked],
     delivery is counted (:meth:`ChkqTask.check_deliveries`), and the body
     runs between a start line and an end line, which ``summary`` of its
     result completes. The task's signature, which Celery checks a call
-    against, is ``check``'s: the message's arguments, not the body's.
+    against, is the message's — ``check``'s, with the body's return type.
     """
     def decorate(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
         @functools.wraps(body)
@@ -173,6 +173,8 @@ def task_lifecycle(check: Callable[..., Checked],
                 result = body(self, *checked.args, **checked.kwargs)
                 timer.result = summary(result)
             return result
-        task.__signature__ = inspect.signature(check)  # type: ignore[attr-defined]
+        signature = inspect.signature(check).replace(
+            return_annotation=inspect.signature(body).return_annotation)
+        task.__signature__ = signature  # type: ignore[attr-defined]
         return task
     return decorate
