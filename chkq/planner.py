@@ -35,7 +35,7 @@ from chkq.plan import (
     offsets_of,
 )
 from chkq.rundir import RunDir
-from chkq.skeleton import create_skeleton, dataset_mode, output_access
+from chkq.skeleton import create_skeleton, dataset_mode, output_access, recreation_plist
 from chkq.stamps import FileStamp, check_same, open_unchanged, stamp_of
 from chkq.structure import (
     MIN_HOLD_BYTES,
@@ -59,7 +59,9 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
     ------
     ValueError
         Naming the dataset and what chkq does not support (references of
-        the new, 1.12-style kind in rows: they cannot be re-pointed), or
+        the new, 1.12-style kind in rows: they cannot be re-pointed; filters
+        whose stored parameters a dataset created anew would not get,
+        :func:`chkq.skeleton.recreation_plist`), or
         what cannot be checked within ``block_bytes``
         (:func:`check_template_memory`).
     """
@@ -75,9 +77,13 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
                     f"extensible dataset '/{name}' of {str(reference)!r} holds references "
                     f"inside a {describe_type(tid)} type, or of a kind chkq cannot re-point")
             shape = dsid.shape
+            mode = dataset_mode(dsid)
+            if mode == "chunks":
+                # Copy tasks encode this dataset's chunks in part files created anew.
+                recreation_plist(dsid, f"extensible dataset '/{name}' of {str(reference)!r}")
             datasets.append(DatasetPlan(
                 name=name,
-                mode=dataset_mode(dsid),
+                mode=mode,
                 offsets=totals[name],
                 row_bytes=tid.get_size() * element_count(shape[1:]),
                 chunk=list(dsid.get_create_plist().get_chunk()),
