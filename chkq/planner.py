@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h5py import h5a, h5d, h5f, h5o, h5t
+import numpy as np
+from h5py import h5a, h5d, h5ds, h5f, h5i, h5o, h5t
 
 from chkq.discovery import (
     Checkpoint,
@@ -171,6 +172,94 @@ def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
         if kind == h5o.TYPE_DATASET:
             refuse_outside_storage(reference, name.decode("utf-8", "surrogateescape"),
                                    h5d.open(fid, name).get_create_plist())
+
+
+#: How netCDF-4 names a dimension scale that is not a variable (its length means nothing:
+#: netCDF-C leaves it at 0 and takes an unlimited dimension's length from its variables).
+_NETCDF_PHONY_SCALE = b"This is a netCDF dimension but not a netCDF variable"
+
+
+def record_groups(fid: h5f.FileID, names: list[str]) -> dict[str, list[str]]:
+    """Extensible datasets that share an extensible dimension scale on their first axis.
+
+    Keyed by the scale's name; the members are the datasets attached to it
+    on axis 0 (``DIMENSION_LIST``) and the scale itself when it is one of
+    ``names`` and a variable (not netCDF-4's stand-in for a dimension
+    without a coordinate variable). Their rows are records of one dimension:
+    row ``i`` of each belongs with row ``i`` of the others (netCDF-4's
+    unlimited dimensions, ``h5py``'s ``dims``). An attachment HDF5 cannot
+    read is left out (the output keeps the template's attributes as they are).
+    """
+    extensible = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+        scales: list[h5d.DatasetID] = []
+        try:
+            if h5ds.get_num_scales(dsid, 0) > 0:
+                h5ds.iterate(dsid, 0, scales.append)
+        except (ValueError, RuntimeError, OSError, KeyError, TypeError):
+            continue
+        for scale in scales:
+            scale_name = (h5i.get_name(scale) or b"").decode("utf-8", "surrogateescape")
+            scale_name = scale_name.lstrip("/")
+            if scale_name not in extensible:
+                continue
+            members = groups.setdefault(scale_name, [])
+            if not members and not _phony_scale(scale):
+                members.append(scale_name)
+            if name not in members:
+                members.append(name)
+    return {scale: members for scale, members in groups.items() if len(members) > 1}
+
+
+def _phony_scale(scale: h5d.DatasetID) -> bool:
+    """Whether a dimension scale is netCDF-4's stand-in for a dimension with no variable."""
+    try:
+        if not h5a.exists(scale, b"NAME"):
+            return False
+        attr = h5a.open(scale, b"NAME")
+        value = np.zeros((), dtype=f"S{max(1, attr.get_type().get_size())}")
+        attr.read(value, mtype=attr.get_type())
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError):
+        return False
+    return bytes(value).startswith(_NETCDF_PHONY_SCALE)
+
+
+def check_record_alignment(reference: Path, scans: list[FileScan], fd: int | None = None) -> None:
+    """Refuse a run in which a file's records of one dimension have different lengths.
+
+    A netCDF-4 file may hold record variables of different lengths (the
+    unlimited dimension's length is the longest's; readers see the missing
+    records of the others as their fill value). chkq concatenates each
+    dataset's rows on its own, so a shorter variable in any file but the
+    run's last would have its later records shifted against the other
+    variables of its dimension in the output, silently. The dimensions
+    are the template's (``reference``, open as ``fd``): :func:`record_groups`.
+
+    Raises
+    ------
+    BadCheckpointError
+        Naming the first such file, the dimension and each variable's rows there.
+    """
+    fid = open_checkpoint_id(reference, fd)
+    try:
+        groups = record_groups(fid, scans[0].extensible)
+    finally:
+        fid.close()
+    for scan in scans[:-1]:
+        for scale, members in groups.items():
+            counts = {name: scan.rows.get(name, 0) for name in members}
+            if len(set(counts.values())) > 1:
+                shown = ", ".join(f"'/{name}' {count}" for name, count in counts.items())
+                raise BadCheckpointError(
+                    f"checkpoint file {str(scan.path)!r} holds records of dimension "
+                    f"'/{scale}' in datasets of different lengths ({shown} rows): "
+                    "concatenated one by one, the shorter ones' records would be shifted "
+                    "against the others' in every later file, so chkq refuses the run "
+                    "(only a run's last file may hold them of different lengths); write "
+                    "every record variable up to the dimension's length, with its fill "
+                    "value where it has no data")
 
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
@@ -356,6 +445,7 @@ def discover_and_scan(out_dir: Path, model: str, *, allow_gaps: bool = False
     checkpoints = find_run(out_dir, model, allow_gaps=allow_gaps)
     scans = [scan_file(path, digest=False) for path in run_files(checkpoints)]
     check_same_structure(scans)
+    check_record_alignment(checkpoints[-1].files[0], scans)
     return checkpoints, scans
 
 
@@ -414,6 +504,7 @@ def prepare(
         reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
         template = open_unchanged(rundir, reference, reference_stamp, job_id)
         try:
+            check_record_alignment(reference, scans, template)
             datasets = describe_template(reference, names,
                                          {n: offsets_of(n, scans) for n in names},
                                          block_bytes, template)
