@@ -7,8 +7,9 @@ every link (hard, soft, external; which names share one object), the
 creation order of links and attributes wherever it is tracked (as the
 order, not the numbers: HDF5 numbers a link anew whenever it is inserted),
 object kind, object comment, committed datatype, attribute (name, type,
-dataspace, bytes), dataset
-type, dataspace, creation properties and, for fixed datasets, values;
+dataspace, bytes), dataset type, dataspace, creation properties (each
+filter's id, flags, parameters and name among them) and, for fixed
+datasets, values;
 extensible datasets must have the planned row count; the userblock must
 match. References compare by the name of the object they point to.
 
@@ -356,7 +357,10 @@ def _dcpl_signature(dsid: h5d.DatasetID) -> dict[str, Any]:
     signature: dict[str, Any] = {
         "layout": layout,
         "chunk": dcpl.get_chunk() if layout == h5d.CHUNKED else None,
-        "filters": [tuple(dcpl.get_filter(i)[:3]) for i in range(dcpl.get_nfilters())],
+        # Each filter's id, flags, parameters (what its chunks decode under) and name.
+        "filters": [(code, flags, tuple(values), bytes(name))
+                    for code, flags, values, name in (dcpl.get_filter(i)
+                                                      for i in range(dcpl.get_nfilters()))],
         "alloc_time": dcpl.get_alloc_time(),
         "fill_time": dcpl.get_fill_time(),
         "fill_defined": dcpl.fill_value_defined(),
