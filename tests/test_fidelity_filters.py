@@ -23,12 +23,10 @@ import numpy as np
 import pytest
 from h5py import h5d, h5p, h5s, h5t, h5z
 
-from chkq.driver import consolidate_here
+from chkq.consolidation.driver import consolidate_here
+from chkq.consolidation.output_check import check_output
+from chkq.consolidation.skeleton import create_extensible, stored_filters
 from chkq.errors import BadCheckpointError, OutputMismatchError
-from chkq.output_check import check_output
-from chkq.skeleton import create_extensible
-def stored_filters(dcpl):
-    return [tuple(dcpl.get_filter(i)[:3]) for i in range(dcpl.get_nfilters())]
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
 from tests.helpers import assert_consolidated, snapshot

@@ -20,7 +20,7 @@ import netCDF4
 import numpy as np
 import pytest
 
-from chkq.driver import consolidate_here
+from chkq.consolidation.driver import consolidate_here
 from chkq.errors import BadCheckpointError
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
