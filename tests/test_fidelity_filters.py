@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import h5py
 import hdf5plugin
@@ -195,3 +197,26 @@ def test_the_whole_output_check_compares_each_filters_parameters_and_flags(
         with pytest.raises(OutputMismatchError, match=r"dataset '/x' has other creation "
                                                       r"properties: filters"):
             check_output(output, template, {}, set())
+
+
+@pytest.mark.parametrize("options, dtype, chunk", [
+    (hdf5plugin.Sperr(rate=8), "<f4", (16, 16)),
+    (hdf5plugin.Sperr(peak_signal_to_noise_ratio=60, missing_value_mode=1), "<f8", (10, 12)),
+    (hdf5plugin.Sperr(absolute=1e-3, missing_value_mode=2, swap=True), "<f4", (9, 10, 11)),
+    (hdf5plugin.FciDecomp(), "<u2", (8, 16)),
+    (hdf5plugin.SZ(absolute=1e-2), "<f4", (2, 3, 4, 5)),
+    (hdf5plugin.SZ3(relative=1e-4), "<f8", (8,)),
+    (hdf5plugin.Bitshuffle(cname="zstd", clevel=9), "i1", (8, 3)),
+    (hdf5plugin.Zfp(precision=10), "<f4", (4, 4, 4)),
+    (hdf5plugin.Blosc2(cname="lz4", filters=hdf5plugin.Blosc2.BITSHUFFLE), "<f8", (5, 7)),
+], ids=["sperr-rate", "sperr-psnr-missing", "sperr-3d-swap", "fcidecomp", "sz-4d", "sz3-1d",
+        "bitshuffle-int8", "zfp-3d", "blosc2"])
+def test_a_part_dataset_stores_the_parameters_of_every_plugin_filter(
+        tmp_path: Path, options: Mapping[str, Any], dtype: str, chunk: tuple[int, ...]) -> None:
+    with h5py.File(tmp_path / "t.h5", "w") as f, h5py.File(tmp_path / "p.h5", "w") as part:
+        shape = (0, *chunk[1:])
+        source = f.create_dataset("x", shape=shape, maxshape=(None, *chunk[1:]), chunks=chunk,
+                                  dtype=dtype, **options)
+        made = create_extensible(part, "data", source, 2 * chunk[0] + 1)
+        assert (stored_filters(made.id.get_create_plist())
+                == stored_filters(source.id.get_create_plist()))

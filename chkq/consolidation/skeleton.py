@@ -124,14 +124,17 @@ def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
 
 Filter = tuple[int, int, tuple[int, ...]]
 
-#: Filters whose "set local" step puts what it derives (versions, element size, chunk
-#: shape) before the caller's parameters, and how many values that is given the stored
-#: ones: the caller's parameters are then the rest. Tried first, so that the search of
-#: :func:`recreation_plist` needs no failing attempt for them.
-_LOCAL_PREFIX: dict[int, Callable[[tuple[int, ...]], int]] = {
-    32008: lambda values: 3,                                  # bitshuffle
-    32017: lambda values: 2 + values[0] if values else 0,     # SZ
-    32024: lambda values: 2 + values[0] if values else 0,     # SZ3
+#: The caller's parameters of filters whose "set local" step rewrites them, from the
+#: stored ones: bitshuffle and SZ/SZ3 put what they derive (versions, element size, rank
+#: and chunk shape) before them; SPERR keeps the first, packs the second (its mode for
+#: missing values) into a word of its own (bits 6 to 9) and adds the chunk shape. Tried first,
+#: so that :func:`recreation_plist` needs no failing attempt for these.
+_CALLER_PARAMETERS: dict[int, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    32008: lambda values: values[3:],                                    # bitshuffle
+    32017: lambda values: values[2 + values[0]:] if values else values,  # SZ
+    32024: lambda values: values[2 + values[0]:] if values else values,  # SZ3
+    32028: lambda values: ((values[1], values[0] >> 6 & 0xF) if len(values) > 1  # SPERR
+                           else values),
 }
 
 
@@ -166,21 +169,23 @@ def _created_filters(fid: h5f.FileID, tid: h5t.TypeID, space: h5s.SpaceID,
 
 def _local_rest(code: int, values: tuple[int, ...]) -> tuple[int, ...]:
     """The caller's part of a filter's stored parameters, where its set-local step is known."""
-    prefix = _LOCAL_PREFIX.get(code)
-    return values if prefix is None else values[min(len(values), max(0, prefix(values))):]
+    known = _CALLER_PARAMETERS.get(code)
+    return values if known is None else tuple(known(values))
 
 
 def _candidates(code: int, values: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Parameters that may give ``values`` once a filter's "set local" step has run on them.
 
-    The rest after a known local prefix first, then the stored values
-    themselves (most filters leave their parameters as they are), then every
-    other suffix and prefix of them (a set-local step adds what it derives
-    before or after the caller's parameters).
+    The caller's part where the filter is known, then the stored values
+    themselves (most filters leave their parameters as they are), then
+    every other suffix and prefix of them (a set-local step adds what it
+    derives before or after the caller's parameters), each also followed by
+    a 0 (an option it leaves at its default and does not store).
     """
     found = [_local_rest(code, values), values]
     found += [values[k:] for k in range(1, len(values) + 1)]
     found += [values[:k] for k in range(len(values) - 1, -1, -1)]
+    found += [(*part, 0) for part in found]
     return list(dict.fromkeys(found))
 
 
