@@ -2,12 +2,12 @@
 
 In a netCDF-4 file the unlimited dimension's length is its longest
 variable's; a variable written to fewer records reads as its fill value
-past its end. chkq concatenates each dataset's rows, so such a file
-anywhere but at the end of a run would shift the shorter variable's
-records against the coordinate in every later file: that is refused before
-anything is written, naming the file, the dimension and the variables.
-Where only the run's last file has them differ, every record stays with
-its coordinate, as ``ncrcat`` gives it.
+past its end. Concatenating each dataset's rows on its own would shift the
+shorter variable's records against the coordinate in every later file; chkq
+gives such a file's missing records the fill value instead, as ``ncrcat``
+does, so the output reads (through netCDF4) as the files' records one after
+the other. What cannot be padded exactly is refused before anything is
+written, naming the file, the dimension and the variables.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from chkq.consolidation.driver import consolidate_here
-from chkq.errors import BadCheckpointError
+from chkq.consolidation.output_check import check_output
+from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
 from tests.helpers import assert_consolidated, snapshot
@@ -69,6 +70,24 @@ def write_run(run: Path, lengths: Lengths, checkpoints: int = 3) -> list[Path]:
     return files
 
 
+def netcdf_view(path: Path) -> dict[str, tuple[list[object], list[bool]]]:
+    """Every record variable as a netCDF reader sees it: values and which are missing."""
+    with netCDF4.Dataset(path) as nc:
+        found = {}
+        for name in ("time", "x", "flag", "z", "w"):
+            values = nc[name][:]
+            mask = np.ma.getmaskarray(values)
+            found[name] = (np.ma.filled(values, 0).tolist(), mask.tolist())
+        return found
+
+
+def concatenated_views(files: list[Path]) -> dict[str, tuple[list[object], list[bool]]]:
+    """What ``ncrcat`` gives for ``files``: each file's records, as read, one after the other."""
+    views = [netcdf_view(path) for path in files]
+    return {name: ([v for view in views for v in view[name][0]],
+                   [m for view in views for m in view[name][1]]) for name in views[0]}
+
+
 def test_aligned_records_consolidate_exactly_and_read_as_ncrcat_gives_them(
         tmp_path: Path, worker: WorkerProcess) -> None:
     """Every file full, but the last file's ``x`` short: each record keeps its time."""
@@ -86,46 +105,99 @@ def test_aligned_records_consolidate_exactly_and_read_as_ncrcat_gives_them(
         assert nc["z"][:].tolist() == [10, 11, 12, 13, 20, 21, 22, 23, 30, 31, 32, 33]
 
 
-@pytest.mark.parametrize("lengths, bad, shown", [
-    (lambda n: {"x": 7} if n == 2 else {}, 1, r"'/time' 10, '/flag' 10, '/x' 7"),
-    (lambda n: {"time": 6, "flag": 6} if n == 1 else {}, 0, r"'/time' 6, '/flag' 6, '/x' 10"),
-], ids=["variable-short-in-a-middle-file", "coordinate-short-in-the-first-file"])
-def test_records_of_different_lengths_before_the_last_file_are_refused(
-        tmp_path: Path, worker: WorkerProcess, lengths: Lengths, bad: int, shown: str) -> None:
+@pytest.mark.parametrize("lengths", [
+    lambda n: {"x": 7} if n == 2 else {},
+    lambda n: {"time": 6, "flag": 6} if n == 1 else {"x": 4} if n == 3 else {},
+    lambda n: {"w": 2, "x": 0} if n == 1 else {"z": 1} if n == 2 else {},
+], ids=["variable-short-in-a-middle-file", "coordinate-short-in-the-first-file",
+        "dimension-without-coordinate"])
+def test_records_of_different_lengths_are_aligned_with_fill_values_as_ncrcat_does(
+        tmp_path: Path, worker: WorkerProcess, lengths: Lengths) -> None:
     run = tmp_path / "run"
     files = write_run(run, lengths)
-    message = refused(run, r"holds records of dimension '/time' in datasets of different "
-                           r"lengths \(" + shown)
-    assert str(files[bad]) in message
-    assert "shifted" in message
+    expected = concatenated_views(files)
+    output = submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
+    assert netcdf_view(output) == expected
+    with h5py.File(output, "r") as out, h5py.File(files[-1], "r") as ref:
+        assert sorted(out) == sorted(ref)
+        for name in ("time", "x", "flag"):
+            assert out[name].shape[0] == 2 * RECORDS + ref[name].shape[0]
+        assert out["x"].fillvalue == -999.0
 
 
-def test_a_dimension_with_no_coordinate_variable_is_checked_through_its_variables(
-        tmp_path: Path) -> None:
-    """``rec`` is a stand-in scale of length 0: its variables ``z`` and ``w`` are compared."""
+def test_fill_value_records_in_the_output_are_checked_independently(tmp_path: Path) -> None:
+    """A padded row that is not the fill value fails the whole-output check."""
     run = tmp_path / "run"
-    files = write_run(run, lambda n: {"w": 2} if n == 1 else {})
+    files = write_run(run, lambda n: {"x": 7} if n == 1 else {})
+    output = consolidate_here(run, "run")
+    with h5py.File(output, "r") as out:
+        assert out["x"][7:10].tolist() == [[-999.0] * 3] * 3
+        rows = {name: int(out[name].shape[0]) for name in ("time", "x", "flag", "z", "w")}
+    check_output(output, files[-1], rows, set(), padding={"x": [(7, 3)]})
+    with h5py.File(output, "r+") as out:
+        out["x"][8] = [1.0, 2.0, 3.0]
+    with pytest.raises(OutputMismatchError, match=r"'x': rows 7 to 9, records its file "
+                                                  r"lacked, are not its fill value"):
+        check_output(output, files[-1], rows, set(), padding={"x": [(7, 3)]})
+
+
+def test_records_that_cannot_be_padded_exactly_are_refused_before_writing(
+        tmp_path: Path, worker: WorkerProcess) -> None:
+    """Variable-length strings have no fill value chkq can give records: refused, named."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for n in (1, 2, 3):
+        with netCDF4.Dataset(run / f"run_chk{n:05d}.h5", "w") as nc:
+            nc.createDimension("time", None)
+            nc.createVariable("time", "f8", ("time",))[0:4] = np.arange(4) + 4 * n
+            label = nc.createVariable("label", str, ("time",))
+            for i in range(2 if n == 2 else 4):
+                label[i] = f"step {i}"
+            nc.trials_completed = np.uint64(1)
+    message = refused(run, r"run_chk00002\.h5' holds records of dimension '/time' in datasets "
+                           r"of different lengths \('/time' 4, '/label' 2 rows\): '/label' "
+                           r"holds variable-length data")
+    assert "aligned" in message
+
+
+def test_a_file_whose_fill_value_is_not_the_templates_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    files = write_run(run, lambda n: {"x": 7} if n == 1 else {})
     with h5py.File(files[0], "r") as f:
-        assert f["rec"].shape == (0,) and f["z"].shape == (4,) and f["w"].shape == (2,)
+        assert f["x"].fillvalue == -999.0
+    rewritten = run / "first.nc"
+    with netCDF4.Dataset(files[0]) as old, netCDF4.Dataset(rewritten, "w") as nc:
+        nc.createDimension("time", None)
+        nc.createDimension("rec", None)
+        nc.createDimension("y", 3)
+        for name, var in old.variables.items():
+            fill = -1.0 if name == "x" else None
+            new = nc.createVariable(name, var.dtype, var.dimensions, fill_value=fill)
+            count = 7 if name == "x" else len(var)
+            new[0:count] = var[:count]
+        nc.trials_completed = np.uint64(1)
+    rewritten.replace(files[0])
     before = snapshot(run)
-    with pytest.raises(BadCheckpointError, match=r"dimension '/rec' in datasets of different "
-                                                 r"lengths \('/w' 2, '/z' 4 rows\)"):
+    with pytest.raises(BadCheckpointError, match=r"'/x' of checkpoint file '.*run_chk00001\.h5' "
+                                                 r"lacks 3 records .* its fill value is not "
+                                                 r"the template's"):
         consolidate_here(run, "run")
     assert snapshot(run) == before
 
 
 def test_plain_hdf5_dimension_scales_are_records_too(tmp_path: Path) -> None:
-    """Scales attached with h5py's ``dims``: a shorter dataset in the first file is refused."""
+    """Scales attached with h5py's ``dims``: a shorter dataset gets its (default) fill value."""
     run = tmp_path / "run"
     run.mkdir()
     for n, short in ((1, 3), (2, 5)):
         with h5py.File(run / f"run_chk{n:05d}.h5", "w") as f:
             f.create_dataset("t", data=np.arange(5.0) + 5 * n, maxshape=(None,), chunks=(4,))
             f["t"].make_scale("t")
-            f.create_dataset("v", data=np.arange(short * 2.0).reshape(short, 2),
-                             maxshape=(None, 2), chunks=(4, 2))
+            f.create_dataset("v", data=np.arange(short * 2.0).reshape(short, 2) + n,
+                             maxshape=(None, 2), chunks=(4, 2), fillvalue=-1.0)
             f["v"].dims[0].attach_scale(f["t"])
             f.attrs["trials_completed"] = np.uint64(1)
-    with pytest.raises(BadCheckpointError, match=r"run_chk00001\.h5'.*dimension '/t'.*"
-                                                 r"'/t' 5, '/v' 3 rows"):
-        consolidate_here(run, "run")
+    output = consolidate_here(run, "run")
+    with h5py.File(output, "r") as out:
+        assert out["t"][:].tolist() == [5.0, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+        assert out["v"][:, 0].tolist() == [1.0, 3, 5, -1, -1, 2, 4, 6, 8, 10]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from h5py import h5a, h5d, h5ds, h5f, h5i, h5o, h5t
 
 from chkq.consolidation.checkpoint_files import (
     MIN_HOLD_BYTES,
+    UNWRITTEN_SLACK,
     FileScan,
     check_same_structure,
     open_checkpoint_id,
@@ -33,14 +35,14 @@ from chkq.consolidation.discovery import (
     check_out_dir,
     find_checkpoints,
 )
-from chkq.consolidation.h5types import describe_type, element_count, has_reference
+from chkq.consolidation.h5types import describe_type, element_count, has_reference, is_variable
 from chkq.consolidation.plan import (
     DatasetPlan,
     Plan,
     cut_copy_units,
     cut_verify_units,
-    offsets_of,
 )
+from chkq.consolidation.rowio import fill_element
 from chkq.consolidation.skeleton import (
     create_skeleton,
     dataset_mode,
@@ -231,40 +233,120 @@ def _phony_scale(scale: h5d.DatasetID) -> bool:
     return bytes(value).startswith(_NETCDF_PHONY_SCALE)
 
 
-def check_record_alignment(reference: Path, scans: list[FileScan], fd: int | None = None) -> None:
-    """Refuse a run in which a file's records of one dimension have different lengths.
+def record_padding(reference: Path, scans: list[FileScan], template: int | None = None,
+                   open_file: Callable[[int], int] | None = None) -> dict[str, dict[int, int]]:
+    """Rows of fill value each file's shorter records of a dimension get, keeping records aligned.
 
     A netCDF-4 file may hold record variables of different lengths (the
     unlimited dimension's length is the longest's; readers see the missing
-    records of the others as their fill value). chkq concatenates each
-    dataset's rows on its own, so a shorter variable in any file but the
-    run's last would have its later records shifted against the other
-    variables of its dimension in the output, silently. The dimensions
-    are the template's (``reference``, open as ``fd``): :func:`record_groups`.
+    records of the others as their fill value). Concatenated one by one, a
+    shorter variable in any file but the run's last would have its later
+    records shifted against the other variables of its dimension. So, as
+    ``ncrcat`` does, in every file but the last each dataset of a record
+    group (:func:`record_groups`, the template's, open as ``template``) is
+    given as many rows as the group's longest there: the rows it lacks are
+    its fill value (:func:`chkq.consolidation.rowio.read_padded`). The run's
+    last file keeps its rows as they are (readers of the output see its
+    missing records as the fill value, as in the file).
+
+    ``open_file(i)`` opens file ``i`` of ``scans`` (as planned) and returns
+    its descriptor, which the caller's function here closes; without it,
+    files are opened by path.
+
+    Returns
+    -------
+    Per dataset, per file index, the rows of fill value that file provides
+    after its own (only where there are any).
 
     Raises
     ------
     BadCheckpointError
-        Naming the first such file, the dimension and each variable's rows there.
+        Naming the file, the dimension and each dataset's rows where padding
+        cannot be exact: a dataset of variable-length data or references, one
+        with no fill value (or another than the template's), or more padding
+        than :data:`UNWRITTEN_SLACK` bytes in one file.
     """
-    fid = open_checkpoint_id(reference, fd)
+    fid = open_checkpoint_id(reference, template)
     try:
         groups = record_groups(fid, scans[0].extensible)
+        fills = {}
+        padding: dict[str, dict[int, int]] = {}
+        for index, scan in enumerate(scans[:-1]):
+            for scale, members in groups.items():
+                counts = {name: scan.rows.get(name, 0) for name in members}
+                longest = max(counts.values())
+                for name, count in counts.items():
+                    if count == longest:
+                        continue
+                    shown = ", ".join(f"'/{n}' {c}" for n, c in counts.items())
+                    where = (f"checkpoint file {str(scan.path)!r} holds records of dimension "
+                             f"'/{scale}' in datasets of different lengths ({shown} rows)")
+                    if name not in fills:
+                        fills[name] = _padding_fill(fid, name, where)
+                    padding.setdefault(name, {})[index] = longest - count
+        files_padded = sorted({f for pads in padding.values() for f in pads})
     finally:
         fid.close()
-    for scan in scans[:-1]:
-        for scale, members in groups.items():
-            counts = {name: scan.rows.get(name, 0) for name in members}
-            if len(set(counts.values())) > 1:
-                shown = ", ".join(f"'/{name}' {count}" for name, count in counts.items())
+    for index in files_padded:
+        scan = scans[index]
+        pads = {name: rows[index] for name, rows in padding.items() if index in rows}
+        _check_padding(scan, pads, fills, open_file(index) if open_file else None)
+    return padding
+
+
+def _padding_fill(fid: h5f.FileID, name: str, where: str) -> bytes:
+    """The template's fill value of dataset ``name``, which its missing records get."""
+    dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+    tid = dsid.get_type()
+    if is_variable(tid) or has_reference(tid):
+        raise BadCheckpointError(
+            f"{where}: '/{name}' holds variable-length data or references, which chkq "
+            "cannot give fill-value records to keep them aligned with the others")
+    try:
+        return fill_element(dsid)
+    except ValueError as exc:
+        raise BadCheckpointError(
+            f"{where}: '/{name}' cannot be given fill-value records to keep it aligned with "
+            f"the others: {exc}") from None
+
+
+def _check_padding(scan: FileScan, pads: dict[str, int], fills: dict[str, bytes],
+                   fd: int | None) -> None:
+    """Refuse padding file ``scan`` cannot give exactly: another fill value, or too many bytes."""
+    fid = open_checkpoint_id(scan.path, fd)
+    try:
+        total = 0
+        for name, rows in pads.items():
+            dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+            total += rows * dsid.get_type().get_size() * element_count(dsid.shape[1:])
+            try:
+                mine = fill_element(dsid)
+            except ValueError as exc:
+                mine = str(exc).encode()
+            if mine != fills[name]:
                 raise BadCheckpointError(
-                    f"checkpoint file {str(scan.path)!r} holds records of dimension "
-                    f"'/{scale}' in datasets of different lengths ({shown} rows): "
-                    "concatenated one by one, the shorter ones' records would be shifted "
-                    "against the others' in every later file, so chkq refuses the run "
-                    "(only a run's last file may hold them of different lengths); write "
-                    "every record variable up to the dimension's length, with its fill "
-                    "value where it has no data")
+                    f"dataset '/{name}' of checkpoint file {str(scan.path)!r} lacks {rows} "
+                    "records of its dimension, which would be its fill value, but its fill "
+                    "value is not the template's: chkq cannot align its records exactly")
+        if total > UNWRITTEN_SLACK:
+            raise BadCheckpointError(
+                f"checkpoint file {str(scan.path)!r} lacks {total} bytes of records its "
+                f"dimensions' longest datasets have (at most {UNWRITTEN_SLACK} bytes of rows "
+                "may be unwritten in a file): the file is damaged or forged")
+    finally:
+        fid.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def padded_offsets(name: str, scans: list[FileScan],
+                   padding: dict[str, dict[int, int]]) -> list[int]:
+    """:func:`chkq.consolidation.plan.offsets_of`, each file's fill-value records included."""
+    pads = padding.get(name, {})
+    offsets = [0]
+    for index, scan in enumerate(scans):
+        offsets.append(offsets[-1] + scan.rows[name] + pads.get(index, 0))
+    return offsets
 
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
@@ -450,7 +532,7 @@ def discover_and_scan(out_dir: Path, model: str, *, allow_gaps: bool = False
     checkpoints = find_run(out_dir, model, allow_gaps=allow_gaps)
     scans = [scan_file(path, digest=False) for path in run_files(checkpoints)]
     check_same_structure(scans)
-    check_record_alignment(checkpoints[-1].files[0], scans)
+    record_padding(checkpoints[-1].files[0], scans)
     return checkpoints, scans
 
 
@@ -509,9 +591,11 @@ def prepare(
         reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
         template = open_unchanged(rundir, reference, reference_stamp, job_id)
         try:
-            check_record_alignment(reference, scans, template)
+            padding = record_padding(
+                reference, scans, template,
+                lambda i: open_unchanged(rundir, scans[i].path, scanned[i].stamp, job_id))
             datasets = describe_template(reference, names,
-                                         {n: offsets_of(n, scans) for n in names},
+                                         {n: padded_offsets(n, scans, padding) for n in names},
                                          block_bytes, template)
             check_writable_dir(job.out_dir, "output directory")
             rundir.unlink(job.temp)
@@ -527,7 +611,10 @@ def prepare(
         out_dir_id = rundir.identity()
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
-        d.source_chunks = [_plain_offsets(scan, d) for scan in scans]
+        pads = padding.get(d.name, {})
+        d.padding = [[index, rows] for index, rows in sorted(pads.items())]
+        d.source_chunks = [[] if index in pads else _plain_offsets(scan, d)
+                           for index, scan in enumerate(scans)]
     files = [[str(s.scan.path), *s.stamp.as_list()] for s in scanned]
     file_sizes = [
         sum((d.offsets[f + 1] - d.offsets[f]) * d.row_bytes for d in datasets)
@@ -544,7 +631,8 @@ def prepare(
         reference_file=str(reference),
         datasets=datasets,
         copy_units=cut_copy_units(datasets, len(files), task_bytes, task_files),
-        file_digests=[s.scan.digest for s in scanned],
+        file_digests=["" if any(i in pads for pads in padding.values()) else s.scan.digest
+                      for i, s in enumerate(scanned)],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
         out_dir_id=out_dir_id,
