@@ -20,8 +20,12 @@ import netCDF4
 import numpy as np
 import pytest
 
+from chkq.consolidation.copy_rows import copy_unit
 from chkq.consolidation.driver import consolidate_here
+from chkq.consolidation.merge import merge_parts
 from chkq.consolidation.output_check import check_output
+from chkq.consolidation.prepare import prepare
+from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
 from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
@@ -201,3 +205,20 @@ def test_plain_hdf5_dimension_scales_are_records_too(tmp_path: Path) -> None:
     with h5py.File(output, "r") as out:
         assert out["t"][:].tolist() == [5.0, 6, 7, 8, 9, 10, 11, 12, 13, 14]
         assert out["v"][:, 0].tolist() == [1.0, 3, 5, -1, -1, 2, 4, 6, 8, 10]
+
+
+def test_row_verification_checks_fill_value_records_against_the_source(tmp_path: Path) -> None:
+    """A padded row changed after the copy is named by the row check, like any other row."""
+    run = tmp_path / "run"
+    write_run(run, lambda n: {"x": 7} if n == 1 else {})
+    plan = prepare(run, "run", "0123456789abcdef")
+    copies = {unit: copy_unit(plan, unit).digests for unit in range(len(plan.copy_units))}
+    merge_parts(plan)
+    with h5py.File(plan.job.temp, "r+") as out:
+        assert out["x"][7:10].tolist() == [[-999.0] * 3] * 3
+        out["x"][8] = [0.0, 0.0, 0.0]
+    with pytest.raises(OutputMismatchError, match=r"row 8 of dataset 'x' in the output differs "
+                                                  r"from row 8 of checkpoint file '.*"
+                                                  r"run_chk00001\.h5'"):
+        for first, stop in plan.verify_units:
+            verify_files(plan, first, stop, digests_by_dataset(copies, plan))

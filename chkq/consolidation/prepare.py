@@ -249,9 +249,9 @@ def record_padding(reference: Path, scans: list[FileScan], template: int | None 
     last file keeps its rows as they are (readers of the output see its
     missing records as the fill value, as in the file).
 
-    ``open_file(i)`` opens file ``i`` of ``scans`` (as planned) and returns
-    its descriptor, which the caller's function here closes; without it,
-    files are opened by path.
+    ``open_file(i)`` opens file ``i`` of ``scans`` as planned (its stamp
+    checked) and returns a descriptor, closed here once the file is
+    checked; without it, files are opened by path.
 
     Returns
     -------
@@ -269,7 +269,7 @@ def record_padding(reference: Path, scans: list[FileScan], template: int | None 
     fid = open_checkpoint_id(reference, template)
     try:
         groups = record_groups(fid, scans[0].extensible)
-        fills = {}
+        fills: dict[str, bytes] = {}
         padding: dict[str, dict[int, int]] = {}
         for index, scan in enumerate(scans[:-1]):
             for scale, members in groups.items():
