@@ -7,31 +7,20 @@ import multiprocessing
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from chkq import CheckpointCorruptionError
 from chkq.log import CheckpointLog
 from chkq.log.delta import compress_full
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
+from support.races import blob, commit_sequence, mutate
 
 MiB = 1 << 20
 LOCAL = pytest.mark.parametrize("store", ["file", "memory"], indirect=True)
 
 
-def blob(size: int, seed: int) -> bytes:
-    """Deterministic incompressible bytes."""
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def mutate(data: bytes, fraction: float, seed: int, run: int = 32) -> bytes:
-    """``data`` with ``fraction`` of its bytes rewritten in scattered ``run``-byte runs."""
-    rng = np.random.default_rng(seed)
-    array = np.frombuffer(data, dtype=np.uint8).copy()
-    starts = rng.integers(0, len(data) - run, max(1, int(len(data) * fraction) // run))
-    index = (starts[:, None] + np.arange(run)).ravel()
-    array[index] ^= rng.integers(1, 256, index.size, dtype=np.uint8)
-    return array.tobytes()
 
 
 def cold(log: CheckpointLog) -> CheckpointLog:
@@ -218,17 +207,6 @@ def test_cache_avoids_rereading_the_parent() -> None:
     assert store.reads == [log.head_copy_key(parent)]
 
 
-def _commit_sequence(url: str, size: int, count: int, barrier: object) -> list[str]:
-    log = CheckpointLog(open_store(url), "shared", max_chain=4)
-    barrier.wait()  # type: ignore[attr-defined]
-    data = blob(size, 12)
-    parent = None
-    ids = []
-    for i in range(count):
-        parent = log.commit(data, parent, step=i)
-        ids.append(parent)
-        data = mutate(data, 0.01, 1000 + i)
-    return ids
 
 
 def _assert_consistent(log: CheckpointLog) -> None:
@@ -249,7 +227,7 @@ def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
         barrier = manager.Barrier(writers)
         with context.Pool(writers) as pool:
             results = pool.starmap(
-                _commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
+                commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
             )
     assert results[0] == results[1] == results[2]
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
@@ -362,7 +340,7 @@ def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) ->
     with context.Manager() as manager:
         barrier = manager.Barrier(writers)
         with context.Pool(writers) as pool:
-            results = pool.starmap(_commit_sequence, [(url, 4096, count, barrier)] * writers)
+            results = pool.starmap(commit_sequence, [(url, 4096, count, barrier)] * writers)
     assert all(result == results[0] for result in results)
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(set(results[0]))

@@ -29,6 +29,7 @@ from chkq.stores import (
     open_store,
 )
 from support.plugins.object_stores import BUCKET, BlackHole, FaultProxy
+from support.races import put_if_absent_race
 
 MiB = 1 << 20
 
@@ -166,10 +167,6 @@ def test_file_store_hides_temporaries_during_a_write(
         store.put(".chkq-tmp/x", b"")
 
 
-def _race(url: str, worker: int, keys: list[str], barrier: object) -> list[bool]:
-    store = open_store(url)
-    barrier.wait()  # type: ignore[attr-defined]
-    return [store.put_if_absent(key, f"writer {worker}".encode()) for key in keys]
 
 
 @pytest.mark.cluster
@@ -186,7 +183,7 @@ def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> No
         results_t: list[list[bool]] = [[] for _ in range(writers)]
 
         def run(i: int) -> None:
-            results_t[i] = _race(store.url, i, keys, barrier_t)
+            results_t[i] = put_if_absent_race(store.url, i, keys, barrier_t)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
         for thread in threads:
@@ -200,7 +197,7 @@ def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> No
             barrier = manager.Barrier(writers)
             with context.Pool(writers) as pool:
                 jobs = [(store.url, i, keys, barrier) for i in range(writers)]
-                results = pool.starmap(_race, jobs)
+                results = pool.starmap(put_if_absent_race, jobs)
     for index, key in enumerate(keys):
         winners = [w for w in range(writers) if results[w][index]]
         assert len(winners) == 1, (key, winners)
