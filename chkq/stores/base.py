@@ -8,9 +8,10 @@ existence, complete sorted listing and idempotent delete.  Concrete stores
 implement the underscore-prefixed hooks; the public methods validate keys
 once, here, so that no backend can be handed a key that escapes its root.
 
-The module also holds the single retry-with-backoff helper used by the
-network stores (S3 and GCS), so that both treat transient failures alike,
-and their bounded waits (:class:`StoreTimeouts`): every request has a
+The module also holds what the network stores (S3 and GCS) share, so that
+both treat transient failures and ambiguous conditional writes alike:
+:class:`BucketStore` (the one retry layer and the write-id read-back), the
+retry-with-backoff helper, and their bounded waits (:class:`StoreTimeouts`): every request has a
 connect and a read timeout, the client libraries' own retries are off, and
 one retry budget in seconds covers each whole operation, so that a store
 that stops answering fails with an error naming the store and the key in
@@ -28,18 +29,20 @@ import os
 import random
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
 from chkq.errors import ConfigurationError, InvalidKeyError, StoreNotFoundError, TransientStoreError  # noqa: F401 (re-exported)
 
 __all__ = [
+    "BucketStore",
     "CheckpointStore",
     "InvalidKeyError",
     "StoreNotFoundError",
     "StoreTimeouts",
     "TransientStoreError",
+    "VanishedAfterConflict",
     "overall_budget",
     "retry_transient",
     "validate_key",
@@ -426,3 +429,89 @@ class CheckpointStore(ABC):
 
     @abstractmethod
     def _modified(self, key: str) -> float: ...
+
+
+class VanishedAfterConflict(Exception):
+    """A conditional create was refused for an object that was gone when read back.
+
+    The object that made the create fail was deleted in between (by garbage
+    collection, say): nothing was written and the create can be tried again,
+    so the retry layer of :class:`BucketStore` treats this as transient.
+    """
+
+
+class BucketStore(CheckpointStore):
+    """What the S3 and GCS stores share: one retry layer and the write-id read-back.
+
+    Subclasses set ``attempts`` and ``timeouts`` and say which of their client
+    library's exceptions are transient and which mean the bucket is missing.
+    """
+
+    attempts: int
+    timeouts: StoreTimeouts
+
+    @property
+    @abstractmethod
+    def bucket(self) -> str:
+        """The bucket name."""
+
+    @abstractmethod
+    def _is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` from the client library is worth another attempt."""
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        """Whether ``exc`` escaping an operation says the bucket does not exist."""
+        return False
+
+    def _retry(self, operation: Callable[[], T], what: str) -> T:
+        """Run ``operation`` under :func:`retry_transient` with this store's patience.
+
+        Raises
+        ------
+        StoreNotFoundError
+            If the bucket does not exist, naming the store and the bucket.
+        TransientStoreError
+            When the attempts or the budget are spent, naming the store and ``what``.
+        """
+        try:
+            return retry_transient(
+                operation,
+                is_transient=lambda exc: isinstance(exc, VanishedAfterConflict)
+                or self._is_transient(exc),
+                what=f"store {self.url}: {what}", attempts=self.attempts,
+                budget=self.timeouts.budget,
+            )
+        except Exception as exc:
+            if self._is_missing_bucket(exc):
+                raise StoreNotFoundError(
+                    f"store {self.url} does not exist (no bucket {self.bucket!r})") from None
+            raise
+
+    @staticmethod
+    def _written_by(metadata: Mapping[str, str] | None, write_id: str, name: str) -> bool:
+        """Whether the object a refused conditional create found is the caller's own.
+
+        A refusal (HTTP 412) is ambiguous: the client may have resent a
+        create whose first answer was lost, and the resend then fails
+        against the caller's own success.  Each conditional create stamps a
+        random write id in the object's metadata; the write is the caller's
+        if the object found carries that id.  Contents are not compared,
+        since content-addressed writers legitimately write identical bytes.
+
+        Parameters
+        ----------
+        metadata
+            The found object's custom metadata, or None if it is gone.
+        write_id
+            The id the caller's create stamped.
+        name
+            The object's name, for the error.
+
+        Raises
+        ------
+        VanishedAfterConflict
+            If the object is gone (``metadata`` is None): the create is retried.
+        """
+        if metadata is None:
+            raise VanishedAfterConflict(name)
+        return bool(metadata.get(WRITE_ID_METADATA) == write_id)

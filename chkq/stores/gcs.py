@@ -6,8 +6,7 @@ import contextlib
 import http.client
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import requests
 from google.api_core import exceptions as api_exceptions
@@ -17,16 +16,12 @@ from google.cloud import storage
 from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
-    CheckpointStore,
-    StoreNotFoundError,
+    BucketStore,
     StoreTimeouts,
     bucket_prefix,
-    retry_transient,
 )
 
 __all__ = ["GCSStore"]
-
-T = TypeVar("T")
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     api_exceptions.TooManyRequests,
@@ -45,12 +40,8 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
-class _VanishedAfterConflict(Exception):
-    """A 412 named an object that was gone when read back: retry the write."""
-
-
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (*_TRANSIENT_TYPES, _VanishedAfterConflict)):
+    if isinstance(exc, _TRANSIENT_TYPES):
         return True
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
@@ -65,7 +56,7 @@ def _make_client(project: str | None) -> storage.Client:
     return storage.Client(project=project)
 
 
-class GCSStore(CheckpointStore):
+class GCSStore(BucketStore):
     """Objects in a Google Cloud Storage bucket under an optional prefix.
 
     Credentials and project come from the environment (Application Default
@@ -77,8 +68,7 @@ class GCSStore(CheckpointStore):
     an upload whose response was lost, so each conditional write carries a
     random write id in the object's custom metadata (``chkq-write-id``) and
     a 412 is read back and compared: the write is ours — True — if the id
-    matches (contents are not compared, since content-addressed writers
-    write identical bytes).
+    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).
 
     Waits are bounded (:class:`~chkq.stores.base.StoreTimeouts`): every
     call passes ``timeout=(connect, read)`` and ``retry=None`` (the client's
@@ -137,11 +127,16 @@ class GCSStore(CheckpointStore):
         """The google-cloud-storage client (exposed for tests and tools)."""
         return self._client
 
-    def _retry(self, operation: Callable[[], T], what: str) -> T:
-        return retry_transient(
-            operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
-            attempts=self.attempts, budget=self.timeouts.budget,
-        )
+    @property
+    def bucket(self) -> str:
+        """The bucket name."""
+        return self._bucket_name
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        return _is_transient(exc)
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        return isinstance(exc, api_exceptions.NotFound)
 
     def _available(self) -> bool:
         return bool(self._retry(
@@ -169,9 +164,8 @@ class GCSStore(CheckpointStore):
                 )
             except api_exceptions.PreconditionFailed:
                 current = self._bucket.get_blob(name, timeout=self._timeout, retry=None)
-                if current is None:
-                    raise _VanishedAfterConflict(name) from None
-                return bool((current.metadata or {}).get(WRITE_ID_METADATA) == write_id)
+                metadata = None if current is None else dict(current.metadata or {})
+                return self._written_by(metadata, write_id, name)
             return True
 
         return self._retry(attempt, f"put_if_absent {key}")
@@ -225,12 +219,7 @@ class GCSStore(CheckpointStore):
                 self._bucket_name, prefix=self._prefix + prefix, page_size=self.page_size,
                 timeout=self._timeout, retry=None,
             )
-            try:
-                return [blob.name[len(self._prefix) :] for blob in blobs]
-            except api_exceptions.NotFound:
-                raise StoreNotFoundError(
-                    f"store {self.url} does not exist (no bucket {self._bucket_name!r})"
-                ) from None
+            return [blob.name[len(self._prefix) :] for blob in blobs]
 
         return self._retry(attempt, f"list {prefix!r}")
 

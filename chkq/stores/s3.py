@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import boto3
 from botocore.config import Config
@@ -22,16 +21,12 @@ from botocore.exceptions import (
 from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
-    CheckpointStore,
-    StoreNotFoundError,
+    BucketStore,
     StoreTimeouts,
     bucket_prefix,
-    retry_transient,
 )
 
 __all__ = ["S3Store"]
-
-T = TypeVar("T")
 
 MiB = 1 << 20
 
@@ -51,10 +46,6 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
 
 
-class _VanishedAfterConflict(Exception):
-    """A 412 named an object that was gone when read back: retry the write."""
-
-
 def _error(exc: ClientError) -> tuple[str, int]:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -62,9 +53,7 @@ def _error(exc: ClientError) -> tuple[str, int]:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(
-        exc, HTTPClientError | BotoConnectionError | IncompleteReadError | _VanishedAfterConflict
-    ):
+    if isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return True
     if isinstance(exc, ClientError):
         code, status = _error(exc)
@@ -82,7 +71,7 @@ def _is_precondition_failed(exc: ClientError) -> bool:
     return code == "PreconditionFailed" or status == 412
 
 
-class S3Store(CheckpointStore):
+class S3Store(BucketStore):
     """Objects in an S3 bucket under an optional key prefix.
 
     Endpoint, region and credentials come from the usual AWS variables
@@ -98,9 +87,7 @@ class S3Store(CheckpointStore):
     stamped with a random write id in the object metadata
     (``x-amz-meta-chkq-write-id``); on 412 the object is read back
     (``HeadObject``) and the write counts as ours — True — if the id
-    matches.  The write id is used rather than comparing contents because
-    two content-addressed writers legitimately write identical bytes, and
-    only the id says *which* write landed.  409 ConditionalRequestConflict
+    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).  409 ConditionalRequestConflict
     (a concurrent write in flight) and other transient errors are retried
     with backoff by :func:`chkq.stores.base.retry_transient`.
 
@@ -187,17 +174,11 @@ class S3Store(CheckpointStore):
         """The boto3 S3 client (exposed for tests and tools)."""
         return self._client
 
-    def _retry(self, operation: Callable[[], T], what: str) -> T:
-        try:
-            return retry_transient(
-                operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
-                attempts=self.attempts, budget=self.timeouts.budget,
-            )
-        except ClientError as exc:
-            if _error(exc)[0] in _NO_BUCKET_CODES:
-                raise StoreNotFoundError(
-                    f"store {self.url} does not exist (no bucket {self._bucket!r})") from None
-            raise
+    def _is_transient(self, exc: BaseException) -> bool:
+        return _is_transient(exc)
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        return isinstance(exc, ClientError) and _error(exc)[0] in _NO_BUCKET_CODES
 
     def _available(self) -> bool:
         def attempt() -> bool:
@@ -239,20 +220,21 @@ class S3Store(CheckpointStore):
             except ClientError as exc:
                 code, _ = _error(exc)
                 if _is_precondition_failed(exc) or code == "NoSuchUpload":
-                    return self._written_by(name, write_id)
+                    return self._written_by(self._metadata(name), write_id, name)
                 raise
             return True
 
         return self._retry(attempt, f"put_if_absent {key}")
 
-    def _written_by(self, name: str, write_id: str) -> bool:
+    def _metadata(self, name: str) -> dict[str, str] | None:
+        """The custom metadata of the object ``name``, or None if there is none."""
         try:
             head = self._client.head_object(Bucket=self._bucket, Key=name)
         except ClientError as exc:
             if _is_not_found(exc):
-                raise _VanishedAfterConflict(name) from exc
+                return None
             raise
-        return bool(head.get("Metadata", {}).get(WRITE_ID_METADATA) == write_id)
+        return dict(head.get("Metadata", {}))
 
     def _multipart(
         self, name: str, data: bytes, metadata: dict[str, str], *, conditional: bool
