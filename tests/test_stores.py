@@ -1,8 +1,8 @@
 """Contract tests for every object store, against real servers.
 
-The same suite runs on the local directory, in-memory, S3 (moto's HTTP
-server) and GCS (fake-gcs-server) stores via the parametrized ``store``
-fixture of :mod:`tests.plugins.object_stores`.  Network faults are injected
+The shipped contract suite, :class:`chkq.stores.testing.StoreTests`, runs on
+the in-memory, local directory, S3 (moto's HTTP server) and GCS
+(fake-gcs-server) stores; the tests after it are each backend's own.  Network faults are injected
 for real with :class:`tests.plugins.object_stores.FaultProxy`.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -28,110 +27,48 @@ from chkq.stores import (
     MemoryStore,
     open_store,
 )
-from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy
+from chkq.stores.testing import StoreTests
+from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy, make_store
 
 MiB = 1 << 20
 
-BAD_KEYS = [
-    "",
-    "/abs",
-    "a//b",
-    "a/",
-    "a/./b",
-    "./a",
-    "a/../b",
-    "..",
-    ".",
-    "a\\b",
-    "a\x00b",
-]
+class TestMemoryStore(StoreTests):
+    @pytest.fixture
+    def store(self) -> CheckpointStore:
+        return MemoryStore()
 
 
-def test_put_get_exists_delete(store: CheckpointStore) -> None:
-    assert not store.exists("a/b")
-    store.put("a/b", b"one")
-    assert store.exists("a/b")
-    assert store.get("a/b") == b"one"
-    store.put("a/b", b"two")
-    assert store.get("a/b") == b"two"
-    store.put("a/empty", b"")
-    assert store.get("a/empty") == b""
-    store.delete("a/b")
-    assert not store.exists("a/b")
-    store.delete("a/b")
-    assert store.list() == ["a/empty"]
+class TestLocalDirectoryStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> CheckpointStore:
+        return LocalDirectoryStore(tmp_path / "store")
 
 
-def test_put_if_absent_creates_once(store: CheckpointStore) -> None:
-    assert store.put_if_absent("k/x", b"first") is True
-    assert store.put_if_absent("k/x", b"second") is False
-    assert store.get("k/x") == b"first"
-    store.delete("k/x")
-    assert store.put_if_absent("k/x", b"third") is True
-    assert store.get("k/x") == b"third"
+class TestS3Store(StoreTests):
+    """Against moto's HTTP server."""
+
+    @pytest.fixture
+    def store(self, request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+        return make_store("s3", request, tmp_path)
+
+    def test_list_reads_every_page(self, store: CheckpointStore) -> None:
+        pages: list[int] = []
+        store.page_size = 7  # type: ignore[attr-defined]
+        store.client.meta.events.register(  # type: ignore[attr-defined]
+            "after-call.s3.ListObjectsV2", lambda **kwargs: pages.append(1))
+        keys = [f"many/{i:03d}" for i in range(30)]
+        for key in keys:
+            store.put(key, b"x")
+        assert store.list("many/") == keys
+        assert len(pages) == 5
 
 
-@pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
-def test_bad_keys_rejected(store: CheckpointStore, key: str) -> None:
-    operations = [
-        lambda: store.put(key, b"x"),
-        lambda: store.put_if_absent(key, b"x"),
-        lambda: store.get(key),
-        lambda: store.exists(key),
-        lambda: store.delete(key),
-    ]
-    for operation in operations:
-        with pytest.raises(InvalidKeyError) as caught:
-            operation()
-        assert repr(key) in str(caught.value)
-    assert isinstance(caught.value, ValueError)
-    with pytest.raises(InvalidKeyError):
-        store.list("/abs")
-    assert store.list() == []
+class TestGCSStore(StoreTests):
+    """Against fake-gcs-server."""
 
-
-def test_missing_key(store: CheckpointStore) -> None:
-    with pytest.raises(KeyError) as caught:
-        store.get("runs/r/nothing-here")
-    assert caught.value.args[0] == "runs/r/nothing-here"
-    assert not store.exists("runs/r/nothing-here")
-    store.delete("runs/r/nothing-here")
-    with pytest.raises(KeyError):
-        store.modified("runs/r/nothing-here")
-
-
-def test_list_is_sorted_and_filtered_by_prefix(store: CheckpointStore) -> None:
-    keys = ["runs/a/1", "runs/a/2", "runs/a/sub/3", "runs/ab/4", "runs/b/5", "top"]
-    for key in random.Random(4).sample(keys, len(keys)):
-        store.put(key, key.encode())
-    assert store.list() == keys
-    assert store.list("runs/a/") == ["runs/a/1", "runs/a/2", "runs/a/sub/3"]
-    assert store.list("runs/a") == ["runs/a/1", "runs/a/2", "runs/a/sub/3", "runs/ab/4"]
-    assert store.list("runs/a/sub") == ["runs/a/sub/3"]
-    assert store.list("nothing/") == []
-    assert store.list("runs/b/5") == ["runs/b/5"]
-
-
-def test_list_is_complete_across_pages(store: CheckpointStore) -> None:
-    pages: list[int] = []
-    if hasattr(store, "page_size"):
-        store.page_size = 7
-    client = getattr(store, "client", None)
-    if client is not None and hasattr(client, "meta"):
-        client.meta.events.register(
-            "after-call.s3.ListObjectsV2", lambda **kwargs: pages.append(1)
-        )
-    keys = [f"many/{i:03d}" for i in range(30)]
-    for key in keys:
-        store.put(key, b"x")
-    assert store.list("many/") == keys
-    if client is not None and hasattr(client, "meta"):
-        assert len(pages) >= 5
-
-
-def test_modified_is_recent(store: CheckpointStore) -> None:
-    store.put("t", b"x")
-    assert abs(store.modified("t") - time.time()) < 120
+    @pytest.fixture
+    def store(self, request: pytest.FixtureRequest, tmp_path: Path) -> CheckpointStore:
+        return make_store("gcs", request, tmp_path)
 
 
 def test_file_store_hides_temporaries_during_a_write(
@@ -440,3 +377,13 @@ def test_cli_store_timeouts_are_configurable(black_hole: BlackHole) -> None:
     assert elapsed < 10, elapsed
     assert done.stderr.startswith(f"error: store s3://{BUCKET}/silent: list 'runs/r1/")
     assert "retry budget 1 s" in done.stderr
+
+
+def test_chkq_does_not_import_pytest() -> None:
+    """The contract suite is shipped in chkq but pytest is only a test dependency."""
+    code = ("import sys, chkq, chkq.stores, chkq.stores.s3, chkq.stores.gcs, chkq.log, "
+            "chkq.workers.cli\n"
+            "print('pytest' in sys.modules, 'chkq.stores.testing' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["False", "False"]
