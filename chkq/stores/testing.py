@@ -89,12 +89,6 @@ class StoreTests:
         assert store.get("large") == data
         assert store.get_at_most("large", 10) == data[:11]
 
-    def test_put_accepts_bytes_like_objects(self, store: CheckpointStore) -> None:
-        store.put("view", memoryview(b"abc"))
-        assert store.put_if_absent("array", bytearray(b"def")) is True
-        assert store.get("view") == b"abc"
-        assert store.get("array") == b"def"
-
     def test_written_objects_are_seen_by_another_handle(self, store: CheckpointStore) -> None:
         store.put_if_absent("shared/k", b"v")
         other = self.reopen(store)
