@@ -27,6 +27,7 @@ from chkq.stores import (
     MemoryStore,
     open_store,
 )
+from chkq.stores.faults import FaultyStore
 from chkq.stores.testing import StoreTests
 from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy, make_store
 
@@ -387,3 +388,77 @@ def test_chkq_does_not_import_pytest() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=True)
     assert done.stdout.split() == ["False", "False"]
+
+
+# the fault-injecting wrapper ---------------------------------------------------------
+
+
+class TestFaultyStoreWithoutRules(StoreTests):
+    """With no rule, the wrapper is a store like any other."""
+
+    @pytest.fixture
+    def store(self) -> CheckpointStore:
+        return FaultyStore(MemoryStore())
+
+
+def test_faulty_store_fails_the_nth_matching_call_before_the_store_acts() -> None:
+    from chkq.stores import TransientStoreError
+
+    store = FaultyStore(MemoryStore())
+    store.fail("put_if_absent", "/records/", nth=2)
+    assert store.put_if_absent("runs/r/records/a", b"a") is True
+    assert store.put_if_absent("runs/r/payloads/b", b"b") is True, "not matched"
+    with pytest.raises(TransientStoreError, match="runs/r/records/c"):
+        store.put_if_absent("runs/r/records/c", b"c")
+    assert not store.inner.exists("runs/r/records/c")
+    assert store.put_if_absent("runs/r/records/c", b"c") is True, "fires once by default"
+    assert [key for _, key in store.calls].count("runs/r/records/c") == 2
+
+
+def test_faulty_store_loses_the_answer_after_the_store_acted() -> None:
+    store = FaultyStore(MemoryStore())
+    store.lose_response({"put", "delete"}, lambda key: key.endswith(".json"), times=None,
+                        error=ConnectionResetError("cut"))
+    with pytest.raises(ConnectionResetError):
+        store.put("x.json", b"1")
+    assert store.inner.get("x.json") == b"1"
+    with pytest.raises(ConnectionResetError):
+        store.delete("x.json")
+    assert not store.inner.exists("x.json")
+    store.put("x.bin", b"2")
+    with pytest.raises(ValueError, match="unknown store operation"):
+        store.fail("rename")
+
+
+def test_faulty_store_delays_and_runs_a_callback_first() -> None:
+    store = FaultyStore(MemoryStore())
+    seen: list[tuple[str, str, bool]] = []
+    store.before("get", lambda op, key: seen.append((op, key, store.inner.exists(key))))
+    store.delay("get", 0.3)
+    store.put("k", b"v")
+    start = time.monotonic()
+    assert store.get("k") == b"v"
+    assert time.monotonic() - start >= 0.3
+    assert seen == [("get", "k", True)]
+
+
+def test_a_commit_whose_record_answer_was_lost_is_completed_by_running_it_again() -> None:
+    """The store wrote the record but the committer saw an error: running the same
+    commit again gives the same id and leaves one record and no orphan."""
+    import hashlib
+
+    from chkq.log import CheckpointLog
+    from chkq.stores import TransientStoreError
+
+    store = FaultyStore(MemoryStore())
+    log = CheckpointLog(store, "run")
+    data = os.urandom(50_000)
+    checkpoint = hashlib.sha256(data).hexdigest()
+    store.lose_response("put_if_absent", "/records/")
+    with pytest.raises(TransientStoreError):
+        log.commit(data)
+    assert store.inner.exists(log.record_key(checkpoint)), "the store acted"
+    assert log.commit(data) == checkpoint
+    assert [r.id for r in log.manifest()] == [checkpoint]
+    assert store.list("runs/run/payloads/") == [log.record(checkpoint).payload]
+    assert CheckpointLog(store.inner, "run").load(checkpoint) == data
