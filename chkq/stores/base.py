@@ -365,6 +365,40 @@ class CheckpointStore(ABC):
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._get(key)[: limit + 1]
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Return ``length`` bytes of the object under ``key`` from offset ``start``.
+
+        Fewer bytes come back where the object ends (none from its end on),
+        as a file's ``pread`` would. Local, S3 and GCS stores read only the
+        range; the default reads the object.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        ValueError
+            If ``start`` or ``length`` is negative.
+        """
+        if start < 0 or length < 0:
+            raise ValueError(f"start and length must be >= 0, got {start} and {length}")
+        return self._get_range(validate_key(key), start, length)
+
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._get(key)[start : start + length]
+
+    def size(self, key: str) -> int:
+        """Return the size in bytes of the object under ``key``.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        return self._size(validate_key(key))
+
+    def _size(self, key: str) -> int:
+        return len(self._get(key))
+
     def exists(self, key: str) -> bool:
         """Return whether an object is stored under ``key``."""
         return self._exists(validate_key(key))

@@ -182,12 +182,24 @@ class GCSStore(BucketStore):
         return self._retry(attempt, f"get {key}")
 
     def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._get_range(key, 0, limit + 1)
+
+    def _size(self, key: str) -> int:
+        blob = self._stat(key)
+        if blob is None:
+            raise KeyError(key)
+        return int(blob.size)
+
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            self._size(key)
+            return b""
         blob = self._bucket.blob(self._prefix + key)
 
         def attempt() -> bytes:
             try:
-                return bytes(blob.download_as_bytes(start=0, end=limit, timeout=self._timeout,
-                                                    retry=None))
+                return bytes(blob.download_as_bytes(start=start, end=start + length - 1,
+                                                    timeout=self._timeout, retry=None))
             except api_exceptions.NotFound:
                 raise KeyError(key) from None
             except api_exceptions.RequestRangeNotSatisfiable:

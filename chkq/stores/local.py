@@ -276,8 +276,18 @@ class LocalDirectoryStore(CheckpointStore):
     def _get(self, key: str) -> bytes:
         return self._read(key, -1)
 
-    def _read(self, key: str, size: int) -> bytes:
-        """The object's first ``size`` bytes (all for -1)."""
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._read(key, length, start)
+
+    def _size(self, key: str) -> int:
+        with self._parent(key, create=False) as (parent, name):
+            found = self._lstat(parent, name)
+        if found is None or not stat.S_ISREG(found.st_mode):
+            raise KeyError(key)
+        return found.st_size
+
+    def _read(self, key: str, size: int, offset: int = 0) -> bytes:
+        """The object's ``size`` bytes from ``offset`` (all for -1)."""
         with self._parent(key, create=False) as (parent, name):
             if parent is None:
                 raise KeyError(key)
@@ -293,6 +303,8 @@ class LocalDirectoryStore(CheckpointStore):
                 os.close(fd)
                 raise KeyError(key)
             with open(fd, "rb", closefd=True) as fh:
+                if offset:
+                    fh.seek(offset)
                 return fh.read(size)
 
     def _get_at_most(self, key: str, limit: int) -> bytes:

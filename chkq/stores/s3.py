@@ -270,16 +270,32 @@ class S3Store(BucketStore):
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._read(key, limit + 1)
 
-    def _read(self, key: str, amount: int | None) -> bytes:
-        """The object at ``key``: its first ``amount`` bytes, or all of it (``None``)."""
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            if self._head(key) is None:
+                raise KeyError(key)
+            return b""
+        return self._read(key, length, start)
+
+    def _size(self, key: str) -> int:
+        head = self._head(key)
+        if head is None:
+            raise KeyError(key)
+        return int(head["ContentLength"])
+
+    def _read(self, key: str, amount: int | None, start: int = 0) -> bytes:
+        """The object at ``key``: ``amount`` bytes from ``start``, or all of it (``None``)."""
         name = self._prefix + key
+        ranged = {"Range": f"bytes={start}-{start + amount - 1}"} if start and amount else {}
 
         def attempt() -> bytes:
             try:
-                answer = self._client.get_object(Bucket=self._bucket, Key=name)
+                answer = self._client.get_object(Bucket=self._bucket, Key=name, **ranged)
             except ClientError as exc:
                 if _is_not_found(exc):
                     raise KeyError(key) from None
+                if _error(exc)[0] == "InvalidRange":
+                    return b""
                 raise
             body = answer["Body"]
             try:

@@ -158,6 +158,39 @@ class StoreTests:
             store.get_at_most("missing/obj", 4)
         assert caught.value.args[0] == "missing/obj"
 
+    def test_get_range_reads_like_pread(self, store: CheckpointStore) -> None:
+        data = bytes(range(200))
+        store.put("obj", data)
+        assert store.get_range("obj", 0, 10) == data[:10]
+        assert store.get_range("obj", 5, 1) == data[5:6]
+        assert store.get_range("obj", 150, 100) == data[150:], "short at the end"
+        assert store.get_range("obj", 199, 1) == data[199:]
+        assert store.get_range("obj", 200, 5) == b"", "nothing from the end on"
+        assert store.get_range("obj", 1000, 5) == b""
+        assert store.get_range("obj", 7, 0) == b""
+        assert store.get_range("obj", 0, 200) == data
+        store.put("empty", b"")
+        assert store.get_range("empty", 0, 4) == b""
+        assert store.get_range("empty", 3, 4) == b""
+        for start, length in ((-1, 2), (0, -2)):
+            with pytest.raises(ValueError):
+                store.get_range("obj", start, length)
+        for length in (0, 4):
+            with pytest.raises(KeyError) as caught:
+                store.get_range("missing/obj", 2, length)
+            assert caught.value.args[0] == "missing/obj"
+
+    def test_size(self, store: CheckpointStore) -> None:
+        store.put("obj", b"x" * 1234)
+        store.put("empty", b"")
+        assert store.size("obj") == 1234
+        assert store.size("empty") == 0
+        store.put("obj", b"y")
+        assert store.size("obj") == 1
+        with pytest.raises(KeyError) as caught:
+            store.size("missing/obj")
+        assert caught.value.args[0] == "missing/obj"
+
     # missing objects -------------------------------------------------------------------
 
     def test_missing_key(self, store: CheckpointStore) -> None:
@@ -180,6 +213,8 @@ class StoreTests:
             lambda: store.put_if_absent(key, b"x"),
             lambda: store.get(key),
             lambda: store.get_at_most(key, 1),
+            lambda: store.get_range(key, 0, 1),
+            lambda: store.size(key),
             lambda: store.exists(key),
             lambda: store.delete(key),
             lambda: store.modified(key),
