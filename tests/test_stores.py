@@ -462,3 +462,65 @@ def test_a_commit_whose_record_answer_was_lost_is_completed_by_running_it_again(
     assert [r.id for r in log.manifest()] == [checkpoint]
     assert store.list("runs/run/payloads/") == [log.record(checkpoint).payload]
     assert CheckpointLog(store.inner, "run").load(checkpoint) == data
+
+
+# a seekable file over an object ------------------------------------------------------
+
+
+def test_h5py_opens_an_hdf5_file_in_the_store(store: CheckpointStore, tmp_path: Path) -> None:
+    """h5py reads datasets, attributes and chunks through ranged reads, never the
+    whole object at once; the block cache serves repeated metadata reads."""
+    import h5py
+    import numpy as np
+
+    from chkq.stores.fileobj import ObjectFile
+
+    path = tmp_path / "m.h5"
+    rows = np.arange(200_000, dtype="<f8").reshape(-1, 4)
+    with h5py.File(path, "w") as out:
+        out.attrs["trials_completed"] = 50_000
+        out.create_dataset("data/x", data=rows, chunks=(1000, 4), compression="gzip",
+                           shuffle=True)
+        out.create_dataset("names", data=np.array([b"a", b"bc"], dtype="S2"))
+    raw = path.read_bytes()
+    store.put("runs/m.h5", raw)
+
+    block = 64 * 1024
+    with ObjectFile(store, "runs/m.h5", block_size=block, cache_blocks=4) as fileobj, \
+            h5py.File(fileobj, "r") as source:
+        assert source.attrs["trials_completed"] == 50_000
+        assert np.array_equal(source["data/x"][:], rows)
+        assert source["data/x"].compression == "gzip"
+        assert list(source["names"][:]) == [b"a", b"bc"]
+        assert fileobj.fetches >= len(raw) // block, "every block read"
+        assert fileobj.fetches < 4 * (len(raw) // block + 1)
+
+
+def test_object_file_reads_seeks_and_refuses_what_a_file_would(store: CheckpointStore) -> None:
+    import io
+
+    from chkq.stores.fileobj import ObjectFile
+
+    data = bytes(range(256)) * 40
+    store.put("obj", data)
+    fileobj = ObjectFile(store, "obj", block_size=100, cache_blocks=2)
+    assert fileobj.size == len(data)
+    assert fileobj.read(250) == data[:250]
+    assert fileobj.seek(-10, io.SEEK_END) == len(data) - 10
+    assert fileobj.read(100) == data[-10:], "short at the end"
+    assert fileobj.read(5) == b""
+    fileobj.seek(95)
+    assert fileobj.read(10) == data[95:105], "across a block boundary"
+    fileobj.seek(3, io.SEEK_CUR)
+    assert fileobj.tell() == 108
+    assert io.BufferedReader(ObjectFile(store, "obj")).read() == data
+    with pytest.raises(OSError, match="negative"):
+        fileobj.seek(-1)
+    assert not fileobj.writable()
+    with pytest.raises(OSError):
+        fileobj.write(b"x")
+    fileobj.close()
+    with pytest.raises(ValueError, match="closed"):
+        fileobj.read(1)
+    with pytest.raises(KeyError):
+        ObjectFile(store, "missing")
