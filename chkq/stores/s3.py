@@ -22,13 +22,20 @@ from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     BucketStore,
+    PartsUpload,
     StoreTimeouts,
+    StrayUpload,
+    TransientStoreError,
     bucket_prefix,
 )
 
 __all__ = ["S3Store"]
 
 MiB = 1 << 20
+MIN_PART = 5 * MiB
+"""S3's smallest part but for the last."""
+MAX_COPY_PART = 1 << 30
+"""Largest range copied server-side in one ``UploadPartCopy`` (S3 allows 5 GiB)."""
 
 _TRANSIENT_CODES = frozenset(
     {
@@ -347,3 +354,132 @@ class S3Store(BucketStore):
         self._retry(
             lambda: self._client.delete_object(Bucket=self._bucket, Key=name), f"delete {key}"
         )
+
+    # publishing from parts -----------------------------------------------------------
+
+    def _upload(self, key: str) -> PartsUpload:
+        return _MultipartUpload(self, key)
+
+    def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
+        def attempt() -> list[StrayUpload]:
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            found = []
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._prefix + prefix):
+                for upload in page.get("Uploads", []):
+                    found.append(StrayUpload(upload["Key"][len(self._prefix):],
+                                             upload["UploadId"],
+                                             float(upload["Initiated"].timestamp())))
+            return found
+
+        return self._retry(attempt, f"list uploads {prefix!r}")
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        def attempt() -> None:
+            try:
+                self._client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=self._prefix + stray.key, UploadId=stray.upload_id)
+            except ClientError as exc:
+                if _error(exc)[0] != "NoSuchUpload":
+                    raise
+
+        self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
+
+
+class _MultipartUpload(PartsUpload):
+    """A multipart upload completed with ``If-None-Match: *``.
+
+    Written bytes are buffered into parts of the store's ``part_size``; a
+    copied range of at least :data:`MIN_PART` bytes goes server-side
+    (``UploadPartCopy``) once the buffer is flushed, so that every part but
+    the last is at least 5 MiB. The completion carries a write id, so that
+    a completion whose answer was lost and that is resent is recognised as
+    this upload's own (the resend fails with 412 or NoSuchUpload).
+    """
+
+    store: S3Store
+
+    def __init__(self, store: S3Store, key: str) -> None:
+        super().__init__(store, key)
+        self._name = store._prefix + key
+        self._write_id = uuid.uuid4().hex
+        self._parts: list[dict[str, Any]] = []
+        self._buffer = bytearray()
+        self._part_size = max(store.part_size, MIN_PART)
+        client = store.client
+        answer = store._retry(
+            lambda: client.create_multipart_upload(
+                Bucket=store.bucket, Key=self._name,
+                Metadata={WRITE_ID_METADATA: self._write_id}),
+            f"start upload of {key}")
+        self.upload_id: str = answer["UploadId"]
+
+    def _flush(self, final: bool = False) -> None:
+        while len(self._buffer) >= self._part_size or (final and self._buffer):
+            piece = bytes(self._buffer[: self._part_size])
+            del self._buffer[: self._part_size]
+            self._send(piece)
+
+    def _send(self, piece: bytes) -> None:
+        store, number = self.store, len(self._parts) + 1
+        answer = store._retry(
+            lambda: store.client.upload_part(
+                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                PartNumber=number, Body=piece),
+            f"upload part {number} of {self.key}")
+        self._parts.append({"ETag": answer["ETag"], "PartNumber": number})
+
+    def _write(self, data: bytes) -> None:
+        self._buffer += data
+        self._flush()
+
+    def _copy(self, source: str, start: int, length: int) -> None:
+        end = start + length
+        if self._buffer:
+            fill = min(self._part_size - len(self._buffer), length)
+            self._write(self.store.get_range(source, start, fill))
+            start += fill
+        while end - start >= MIN_PART and not self._buffer:
+            size = min(MAX_COPY_PART, end - start)
+            self._copy_part(source, start, size)
+            start += size
+        if start < end:
+            super()._copy(source, start, end - start)
+
+    def _copy_part(self, source: str, start: int, size: int) -> None:
+        store, number = self.store, len(self._parts) + 1
+        answer = store._retry(
+            lambda: store.client.upload_part_copy(
+                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                PartNumber=number,
+                CopySource={"Bucket": store.bucket, "Key": store._prefix + source},
+                CopySourceRange=f"bytes={start}-{start + size - 1}"),
+            f"copy part {number} of {self.key} from {source}")
+        self._parts.append({"ETag": answer["CopyPartResult"]["ETag"], "PartNumber": number})
+
+    def _complete(self) -> bool:
+        self._flush(final=True)
+        store = self.store
+        if not self._parts:
+            self._send(b"")
+
+        def attempt() -> bool:
+            try:
+                store.client.complete_multipart_upload(
+                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
+            except ClientError as exc:
+                code, status = _error(exc)
+                if _is_precondition_failed(exc) or code == "NoSuchUpload":
+                    return store._written_by(store._metadata(self._name), self._write_id,
+                                             self._name)
+                if code == "ConditionalRequestConflict" or status == 409:
+                    raise TransientStoreError(
+                        f"store {store.url}: upload of {self.key}: a concurrent conditional "
+                        "write conflicted with its completion; start the upload again") from exc
+                raise
+            return True
+
+        return store._retry(attempt, f"complete upload of {self.key}")
+
+    def _abort(self) -> None:
+        self.store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))

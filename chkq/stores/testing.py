@@ -191,6 +191,59 @@ class StoreTests:
             store.size("missing/obj")
         assert caught.value.args[0] == "missing/obj"
 
+    # publishing from parts --------------------------------------------------------
+
+    def test_upload_publishes_its_parts_once_complete(self, store: CheckpointStore) -> None:
+        source = random.Random(2).randbytes(3000)
+        store.put("src/a", source)
+        upload = store.upload("out/obj")
+        upload.write(b"head-")
+        upload.copy("src/a", 100, 1000)
+        upload.copy("src/a", 0, len(source))
+        upload.write(b"-tail")
+        assert not store.exists("out/obj"), "nothing visible before completion"
+        assert store.list("out/") == []
+        upload.complete()
+        expected = b"head-" + source[100:1100] + source + b"-tail"
+        assert upload.size == len(expected)
+        assert store.get("out/obj") == expected
+        assert store.list() == ["out/obj", "src/a"]
+        assert store.stray_uploads() == []
+
+    def test_upload_never_replaces_an_object(self, store: CheckpointStore) -> None:
+        store.put("out/obj", b"first")
+        with store.upload("out/obj") as upload:
+            upload.write(b"second")
+            with pytest.raises(FileExistsError) as caught:
+                upload.complete()
+        assert "out/obj" in str(caught.value)
+        assert store.get("out/obj") == b"first"
+        assert store.stray_uploads() == [], "the refused upload was aborted"
+
+    def test_upload_of_nothing_publishes_an_empty_object(self, store: CheckpointStore) -> None:
+        with store.upload("empty") as upload:
+            upload.complete()
+        assert store.get("empty") == b""
+
+    def test_upload_left_by_an_error_is_aborted(self, store: CheckpointStore) -> None:
+        with pytest.raises(RuntimeError), store.upload("out/obj") as upload:
+            upload.write(b"x" * 1000)
+            raise RuntimeError("the publisher failed")
+        assert not store.exists("out/obj")
+        assert store.list() == []
+        assert store.stray_uploads() == []
+        with pytest.raises(ValueError, match="finished"):
+            upload.write(b"more")
+
+    def test_upload_refuses_a_range_past_the_source(self, store: CheckpointStore) -> None:
+        store.put("src", b"0123456789")
+        with store.upload("out") as upload:
+            with pytest.raises(ValueError, match="src"):
+                upload.copy("src", 5, 6)
+            with pytest.raises(KeyError):
+                upload.copy("missing", 0, 1)
+        assert not store.exists("out")
+
     # missing objects -------------------------------------------------------------------
 
     def test_missing_key(self, store: CheckpointStore) -> None:
