@@ -605,3 +605,47 @@ def test_object_file_reads_seeks_and_refuses_what_a_file_would(store: Checkpoint
         fileobj.read(1)
     with pytest.raises(KeyError):
         ObjectFile(store, "missing")
+
+
+_PUBLISHER = """
+import sys, time
+from chkq.stores import open_store
+store = open_store(sys.argv[1])
+if hasattr(store, "part_size"):
+    store.part_size = 5 << 20
+upload = store.upload("out/MODEL.h5")
+upload.write(b"x" * (6 << 20))
+print("parts sent", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("store", ["file", "s3", "gcs"], indirect=True)
+def test_a_killed_publisher_leaves_a_stray_upload_that_abort_removes(
+        store: CheckpointStore) -> None:
+    import signal
+
+    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, store.url],
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert publisher.stdout is not None
+        assert publisher.stdout.readline() == "parts sent\n"
+        publisher.send_signal(signal.SIGKILL)
+    finally:
+        publisher.wait(30)
+    assert not store.exists("out/MODEL.h5")
+    assert store.list() == []
+    strays = store.stray_uploads()
+    assert len(strays) == 1
+    if isinstance(store, LocalDirectoryStore):
+        assert strays[0].key == "", "a temporary does not record its key"
+    else:
+        assert strays[0].key == "out/MODEL.h5"
+        assert store.stray_uploads("out/") == strays
+        assert store.stray_uploads("elsewhere/") == []
+    if not store.url.startswith("s3://"):  # moto reports one fixed initiation time
+        assert abs(strays[0].started - time.time()) < 120
+    store.abort_upload(strays[0])
+    store.abort_upload(strays[0])
+    assert store.stray_uploads() == []
+    assert not store.exists("out/MODEL.h5")

@@ -425,7 +425,9 @@ class CheckpointStore(ABC):
         """Uploads started and neither completed nor aborted, for keys under ``prefix``.
 
         What a killed publisher leaves; :meth:`abort_upload` removes one.
-        The default store keeps no state across processes and has none.
+        A store that does not record an upload's key (a local directory)
+        lists every upload, with key ``""``, whatever the prefix. The
+        default store keeps no state across processes and has none.
         """
         return self._stray_uploads(validate_prefix(prefix))
 
