@@ -289,6 +289,20 @@ def test_s3_lost_response_to_multipart_completion(s3_proxy: FaultProxy) -> None:
     assert store.get("obj") == data
 
 
+def test_s3_lost_response_to_an_upload_completion_is_success(s3_proxy: FaultProxy) -> None:
+    """The completion reached moto, its answer did not: the resent completion is
+    refused (NoSuchUpload or 412) and recognised by its write id as this upload's own."""
+    store = _s3(s3_proxy.url, "lost-up")
+    data = os.urandom(6 * MiB)
+    s3_proxy.lose_next_response(b"POST /" + BUCKET.encode() + b"/lost-up/out?uploadId")
+    with store.upload("out") as upload:
+        upload.write(data)
+        upload.complete()
+    assert s3_proxy.lost == 1
+    assert store.get("out") == data
+    assert store.stray_uploads() == []
+
+
 def test_s3_conditional_conflict_409_is_retried(s3_proxy: FaultProxy) -> None:
     store = _s3(s3_proxy.url, "conflict")
     body = (
