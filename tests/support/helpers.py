@@ -18,6 +18,7 @@ import numpy as np
 
 from chkq.consolidation.checkpoint_files import is_extensible
 from chkq.consolidation.h5types import type_key as type_signature
+from chkq.log import CheckpointLog
 from chkq.stores import open_store
 
 T = TypeVar("T")
@@ -177,3 +178,11 @@ def payload_keys(store_url: str, run: str) -> set[str]:
     """The payload keys of run ``run`` in the store at ``store_url``."""
     return set(open_store(store_url).list(f"runs/{run}/payloads/"))
 
+
+def assert_log_consistent(log: CheckpointLog) -> None:
+    """One record per checkpoint; every payload referenced; every load verifies."""
+    records = log.manifest()
+    payloads = log.store.list(f"runs/{log.run_id}/payloads/")
+    assert sorted(r.payload for r in records) == payloads
+    for record in records:
+        assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id
