@@ -23,6 +23,10 @@ from chkq.config.security import install_signing, signing_config
 from chkq.config.settings import Settings
 
 TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
+#: The worker runtime, named here and loaded by Celery where it is used: the consumer in
+#: workers, the transport in every process that talks to a Redis broker.
+CONSUMER_CLASS = "chkq.workers.consumer:GuardedConsumer"
+TRANSPORT_CLASS = "chkq.workers.broker_transport:Transport"
 
 
 
@@ -73,7 +77,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": TASK_ROUTES,
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_consumer": "chkq.config.consumer:GuardedConsumer",
+        "worker_consumer": CONSUMER_CLASS,
         **signing_config(settings),
     }
 
@@ -81,7 +85,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def broker_config(settings: Settings) -> dict[str, Any]:
     """The settings that differ between a Redis and a RabbitMQ broker.
 
-    Redis: chkq's transport (:mod:`chkq.config.broker_transport`) with its
+    Redis: chkq's transport (:mod:`chkq.workers.broker_transport`) with its
     visibility timeout and restore sweep. RabbitMQ: kombu's py-amqp
     transport with publisher confirms (a task is sent once the broker has
     it, or the sender gets an error), heartbeats (a silent peer's
@@ -94,7 +98,7 @@ def broker_config(settings: Settings) -> dict[str, Any]:
     """
     if not settings.broker_is_amqp:
         return {
-            "broker_transport": "chkq.config.broker_transport:Transport",
+            "broker_transport": TRANSPORT_CLASS,
             "broker_transport_options": settings.broker_transport_options(),
         }
     return {

@@ -44,7 +44,7 @@ class WorkerLimitsRequest(Request):
         would fail the whole job with a bare connection error (or, with the
         backend down, record nothing and park the job). The message goes
         back to its queue instead, at once on a live connection, or once
-        the worker has reconnected (:mod:`chkq.config.broker_transport`);
+        the worker has reconnected (:mod:`chkq.workers.broker_transport`);
         the redelivery cap bounds how often.
         """
         exc = getattr(exc_info, "exception", None)
@@ -66,7 +66,7 @@ class WorkerLimitsRequest(Request):
         that record fails, the request is left "not cancelled", and when its
         terminated process is reaped Celery records the task as revoked,
         failing the whole job. The message itself goes back to its queue
-        (:mod:`chkq.config.broker_transport`) and runs again: the record of
+        (:mod:`chkq.workers.broker_transport`) and runs again: the record of
         a retry is not needed for that.
         """
         try:
