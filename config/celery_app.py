@@ -13,9 +13,12 @@ rewiring a live one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from celery import Celery, Task
+from celery.app import backends
+from kombu.utils.imports import symbol_by_name
 
 from chkq.config.limits import CONF_KEY, REQUEST_CLASS
 from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
@@ -27,6 +30,8 @@ TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
 #: workers, the transport in every process that talks to a Redis broker.
 CONSUMER_CLASS = "chkq.workers.consumer:GuardedConsumer"
 TRANSPORT_CLASS = "chkq.workers.broker_transport:Transport"
+#: Mixed into the result backend's class: an outage is never a task's recorded failure.
+BACKEND_MIXIN = "chkq.workers.result_backend:RequeueOutages"
 
 
 
@@ -34,6 +39,19 @@ class _LimitedTask(Task):
     """The app's default task class: time limits are the worker's (:mod:`chkq.config.limits`)."""
 
     Request = REQUEST_CLASS
+
+
+@functools.cache
+def _backend_class(base: type) -> type:
+    return type(base.__name__, (symbol_by_name(BACKEND_MIXIN), base), {})
+
+
+class _Chkq(Celery):
+    """The chkq app: its result backend's class is the configured one with :data:`BACKEND_MIXIN`."""
+
+    def _get_backend(self) -> Any:
+        base, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
+        return _backend_class(base)(app=self, url=url)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -114,7 +132,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     # Every task of the app (chkq.fail, Celery's built-in tasks) caps the
     # time limits of its messages at the worker's; ChkqTask names the same class.
-    celery = Celery("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
+    celery = _Chkq("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
     celery.conf.update(celery_config(settings))
     install_signing(celery, settings)
     return celery

@@ -18,6 +18,7 @@ from typing import Any
 import fakeredis
 import pytest
 import redis
+from celery.app.task import Context
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app
@@ -30,6 +31,7 @@ from chkq.tasks.base import RATE_KEY, RATE_KINDS, slowest_rates
 from chkq.tasks.protocol import task_id
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
+from chkq.workers.request import requeue_delay
 from tests.helpers import assert_consolidated
 from tests.plugins.cluster import WorkerProcess
 
@@ -129,3 +131,22 @@ def test_a_nodes_measured_rate_cuts_the_next_jobs_units(redis_server: PrivateRed
         assert second["copy_units"] > first["copy_units"]
     finally:
         worker.stop()
+
+
+def test_an_outage_is_never_recorded_as_a_tasks_failure(redis_server: PrivateRedis) -> None:
+    """What a task raised because the backend or broker did not answer is not stored, counted
+    in a chord or passed to errbacks: the task runs again. Any other failure is stored."""
+    backend = get_app().backend
+    outage, bad = (f"outage-{uuid.uuid4().hex}", f"bad-{uuid.uuid4().hex}")
+    for task, exc in [(outage, redis.exceptions.ConnectionError("reset by peer")),
+                      (bad, ValueError("bad input"))]:
+        backend.mark_as_failure(task, exc, request=Context(id=task, errbacks=None, chord=None))
+    assert AsyncResult(outage, app=get_app()).state == "PENDING"
+    assert AsyncResult(bad, app=get_app()).state == "FAILURE"
+
+
+def test_an_interrupted_message_is_held_longer_at_each_outage() -> None:
+    task = uuid.uuid4().hex
+    delays = [requeue_delay(task) for _ in range(8)]
+    assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert requeue_delay(uuid.uuid4().hex) == 1
