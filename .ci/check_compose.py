@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+#: chkq's queues (control, copy, verify, commit), each with its own prefetch on RabbitMQ.
+QUEUES = 4
 
 
 def seconds(duration: str) -> float:
@@ -53,9 +55,11 @@ def rabbitmq_problems(config: dict, time_limit: float) -> list[str]:
     if not rabbitmq.get("hostname"):
         found.append("the rabbitmq service has no fixed hostname (its data is per node name)")
     match = re.search(r"consumer_timeout (\d+)", env.get("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", ""))
-    if not match or int(match.group(1)) <= (time_limit + 60) * 1000:
-        found.append("RabbitMQ's consumer_timeout is not above CHKQ_TIME_LIMIT + 60 s: it "
-                     "would take a running task back")
+    # On quorum queues prefetch is per queue: a message may wait in a worker behind a task
+    # of each of the other queues, then run for up to the hard limit.
+    if not match or int(match.group(1)) <= (QUEUES * time_limit + 60) * 1000:
+        found.append(f"RabbitMQ's consumer_timeout is not above {QUEUES} x CHKQ_TIME_LIMIT + "
+                     "60 s: it would take back a task still waiting in its worker or running")
     secret = env.get("RABBITMQ_DEFAULT_PASS")
     if secret and secret in json.dumps(rabbitmq.get("command")):
         found.append("the RabbitMQ password is on a command line (ps shows it)")
