@@ -23,10 +23,10 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app
 from chkq.config.settings import Settings
+from chkq.consolidation.plan import MIN_UNIT_BYTES, unit_bytes
+from chkq.consolidation.prepare import prepare
 from chkq.demo import RunShape, make_run
 from chkq.errors import ConfigurationError
-from chkq.plan import MIN_UNIT_BYTES, unit_bytes
-from chkq.planner import prepare
 from chkq.tasks.base import RATE_KEY, RATE_KINDS, slowest_rates
 from chkq.tasks.protocol import task_id
 from chkq.workers.broker import PrivateRedis
