@@ -40,8 +40,11 @@ PROGRESS_INTERVAL = 0.5
 RATE_KEY = "chkq-rate-{kind}"
 #: Kinds of work whose rate is measured.
 RATE_KINDS = ("copy", "verify", "merge")
-#: Only tasks that ran this long are timed: a shorter one is dominated by its fixed cost,
-#: and while every task is this short the byte bound alone keeps units small enough.
+#: Only tasks that moved this many bytes or ran this long are timed. A rate only matters
+#: when it is low enough to cut units below the byte bound, and a task of at least a MiB
+#: that slow runs long enough for its fixed cost (opening files) to be a small part of it;
+#: a tiny task is mostly fixed cost and would make every later job's units tiny.
+RATE_MIN_BYTES = 1024 * 1024
 RATE_MIN_SECONDS = 2.0
 #: A node's rate older than this is not used (the node may be gone or its storage changed).
 RATE_MAX_AGE = 24 * 3600
@@ -117,7 +120,9 @@ class ChkqTask(Task):
         """Keep this node's rate at ``kind`` of work: ``nbytes`` moved in ``seconds``."""
         client = _client(self)
         node = self.request.hostname
-        if client is None or not node or seconds < RATE_MIN_SECONDS or nbytes <= 0:
+        if client is None or not node or nbytes <= 0 or seconds <= 0:
+            return
+        if nbytes < RATE_MIN_BYTES and seconds < RATE_MIN_SECONDS:
             return
         key = RATE_KEY.format(kind=kind)
         client.hset(key, node, json.dumps([nbytes / seconds, time.time()]))

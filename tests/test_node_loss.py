@@ -101,34 +101,62 @@ def test_the_slowest_fresh_rate_of_any_node_is_used() -> None:
     assert rates == {"copy": 20e6, "verify": None, "merge": None}
 
 
-def test_a_nodes_measured_rate_cuts_the_next_jobs_units(redis_server: PrivateRedis,
-                                                        tmp_path: Path) -> None:
-    """A worker times its own copies and verifications; with a one-second budget, the next
-    job's units are cut to what that node moved in a second, and the job is still right."""
+SHAPE = RunShape(checkpoints=2, trials=4000, spec_columns=384, compression="gzip",
+                 fletcher32=True, chunk_rows=100)
+
+
+def _consolidate(directory: Path) -> tuple[dict[str, Any], int]:
+    """Consolidate a run made in ``directory``; the plan step's result and the output rows."""
+    files = make_run(directory, "run", SHAPE)
+    job = submit_consolidation("run", directory)
+    assert_consolidated(job.wait_for_output(timeout=240), files)
+    return dict(AsyncResult(task_id(job.id, "plan"), app=get_app()).result), len(files)
+
+
+@pytest.fixture
+def rates(redis_server: PrivateRedis) -> Any:
+    """The result backend's rate records, empty at the start and the end of the test."""
     client = redis.Redis.from_url(redis_server.url)
-    client.delete(*(RATE_KEY.format(kind=k) for k in RATE_KINDS))
-    worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path,
-                           {"CHKQ_TASK_SECONDS": "1"})
+    keys = [RATE_KEY.format(kind=k) for k in RATE_KINDS]
+    client.delete(*keys)
+    yield client
+    client.delete(*keys)
+
+
+def test_a_worker_records_its_own_rates(redis_server: PrivateRedis, rates: Any,
+                                        tmp_path: Path) -> None:
+    """Each copy, verification and merge of a MiB or more is timed; the node's rate is kept
+    under its name, and the planner finds it as the slowest."""
+    worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path)
     try:
-        shape = RunShape(checkpoints=2, trials=4000, spec_columns=384, compression="gzip",
-                         fletcher32=True, chunk_rows=100)
+        _consolidate(tmp_path / "run")
+        for kind in RATE_KINDS:
+            recorded = {n.decode(): json.loads(v)
+                        for n, v in rates.hgetall(RATE_KEY.format(kind=kind)).items()}
+            assert list(recorded) == [worker.name], kind
+            (rate, when), = recorded.values()
+            assert rate > 0 and abs(time.time() - when) < 300, (kind, rate, when)
+            assert slowest_rates(get_app())[kind] == rate
+    finally:
+        worker.stop()
 
-        def consolidate(name: str) -> dict[str, Any]:
-            run = tmp_path / name
-            files = make_run(run, "run", shape)
-            job = submit_consolidation("run", run)
-            assert_consolidated(job.wait_for_output(timeout=240), files)
-            return dict(AsyncResult(task_id(job.id, "plan"), app=get_app()).result)
 
-        first = consolidate("first")
-        rates = slowest_rates(get_app())
-        assert rates["copy"] is not None, "no copy ran two seconds: make the run larger"
-        assert list(json.loads(v) for v in client.hvals(RATE_KEY.format(kind="copy")))
-        assert {n.decode() for n in client.hkeys(RATE_KEY.format(kind="copy"))} == {worker.name}
-        second = consolidate("second")
-        print(f"\ncopy rate measured {rates['copy'] / MiB:.1f} MiB/s: "
-              f"{first['copy_units']} copy units, then {second['copy_units']}")
-        assert second["copy_units"] > first["copy_units"]
+def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(redis_server: PrivateRedis,
+                                                          rates: Any, tmp_path: Path) -> None:
+    """A node measured at 2 MiB/s and a budget of 2 s: the next job's copy units hold at
+    most 4 MiB of rows (plus one chunk), and its output is still right."""
+    worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path,
+                           {"CHKQ_TASK_SECONDS": "2"})
+    try:
+        unbounded, _ = _consolidate(tmp_path / "first")
+        for kind in RATE_KINDS:
+            rates.hset(RATE_KEY.format(kind=kind), "slow@node",
+                       json.dumps([2 * MiB, time.time()]))
+        budgeted, _ = _consolidate(tmp_path / "second")
+        print(f"\ncopy units: {unbounded['copy_units']} by bytes, {budgeted['copy_units']} "
+              "at 2 MiB/s and 2 s a unit")
+        assert budgeted["copy_units"] > unbounded["copy_units"]
+        assert budgeted["copy_units"] >= budgeted["bytes"] // (4 * MiB)
     finally:
         worker.stop()
 
