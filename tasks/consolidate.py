@@ -255,7 +255,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
             run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps),
             allow_gaps=allow_gaps,
         ))
-        _warn_long_merge(plan, rates["merge"], settings.soft_time_limit)
+        _warn_long_tasks(plan, rates, settings.soft_time_limit)
     launch_copies(plan)
     return {
         "model": model,
@@ -274,21 +274,37 @@ def merge_bytes(plan: Plan) -> int:
     return sum(d.total * d.row_bytes for d in plan.datasets if d.mode != "raw")
 
 
-def _warn_long_merge(plan: Plan, rate: float | None, soft_limit: int) -> None:
-    """Log a warning when the merge of ``plan`` is expected to outlast half the soft limit.
+def unit_sizes(plan: Plan) -> dict[str, int]:
+    """Plain bytes of the largest task of each kind the plan makes: copy, verify, merge."""
+    def file_bytes(index: int) -> int:
+        return sum((d.offsets[index + 1] - d.offsets[index]) * d.row_bytes
+                   for d in plan.datasets)
 
-    The merge is one task whatever the size of the job's encoded data; at
-    the slowest rate measured, a job with too much of it would be stopped
-    by its time limit. The warning names the settings to raise.
+    copies = [sum((stop - start) * plan.datasets[i].row_bytes for i, start, stop in u.pieces)
+              for u in plan.copy_units]
+    verifies = [sum(file_bytes(f) for f in range(first, stop))
+                for first, stop in plan.verify_units]
+    return {"copy": max(copies, default=0), "verify": max(verifies, default=0),
+            "merge": merge_bytes(plan)}
+
+
+def _warn_long_tasks(plan: Plan, rates: dict[str, float | None], soft_limit: int) -> None:
+    """Log a warning for each kind of task of ``plan`` expected to outlast half the soft limit.
+
+    Units are cut to the time budget, but some work cannot be cut: the
+    merge is one task, a variable-length dataset is copied by one, a file
+    is verified by one. At the slowest rate measured, a job with too much
+    of such work would be stopped by its time limit; the warning names the
+    settings to raise.
     """
-    if rate is None:
-        return
-    expected = merge_bytes(plan) / rate
-    if expected > soft_limit / 2:
-        log.warning("job=%s merge of %d bytes expected to take %.0f s at %.0f bytes/s, more "
-                    "than half of CHKQ_SOFT_TIME_LIMIT (%d s): raise CHKQ_TIME_LIMIT, "
+    for kind, size in unit_sizes(plan).items():
+        rate = rates.get(kind)
+        if rate is None or not size / rate > soft_limit / 2:
+            continue
+        log.warning("job=%s a %s task of %d bytes is expected to take %.0f s at %.0f bytes/s, "
+                    "more than half of CHKQ_SOFT_TIME_LIMIT (%d s): raise CHKQ_TIME_LIMIT, "
                     "CHKQ_SOFT_TIME_LIMIT and CHKQ_VISIBILITY_TIMEOUT together for such jobs",
-                    plan.job_id, merge_bytes(plan), expected, rate, soft_limit)
+                    plan.job_id, kind, size, size / rate, rate, soft_limit)
 
 
 def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bool,

@@ -144,19 +144,22 @@ def test_a_worker_records_its_own_rates(redis_server: PrivateRedis, rates: Any,
 def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(redis_server: PrivateRedis,
                                                           rates: Any, tmp_path: Path) -> None:
     """A node measured at 2 MiB/s and a budget of 2 s: the next job's copy units hold at
-    most 4 MiB of rows (plus one chunk), and its output is still right."""
+    most 4 MiB of rows (plus one chunk), and its output is still right. Its merge, one task
+    whatever its size, measured at 1 kB/s: the worker warns that it may hit the limit."""
     worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path,
                            {"CHKQ_TASK_SECONDS": "2"})
     try:
         unbounded, _ = _consolidate(tmp_path / "first")
         for kind in RATE_KINDS:
             rates.hset(RATE_KEY.format(kind=kind), "slow@node",
-                       json.dumps([2 * MiB, time.time()]))
+                       json.dumps([1e3 if kind == "merge" else 2 * MiB, time.time()]))
         budgeted, _ = _consolidate(tmp_path / "second")
         print(f"\ncopy units: {unbounded['copy_units']} by bytes, {budgeted['copy_units']} "
               "at 2 MiB/s and 2 s a unit")
         assert budgeted["copy_units"] > unbounded["copy_units"]
         assert budgeted["copy_units"] >= budgeted["bytes"] // (4 * MiB)
+        warnings = [line for line in worker.log().splitlines() if "is expected to take" in line]
+        assert [w.split(" task of ")[0].split()[-1] for w in warnings] == ["merge"], warnings
     finally:
         worker.stop()
 
