@@ -30,6 +30,7 @@ from chkq.consolidation.rowio import (
     block_rows,
     digest_rows,
     read_into,
+    read_padded,
     read_rows,
     same_bytes,
 )
@@ -314,7 +315,7 @@ def _compare_plain(d: DatasetPlan, dsid: h5d.DatasetID, window: OutputWindow,
     for lo in range(start, end, step):
         hi = min(end, lo + step)
         expected = source[:hi - lo]
-        read_into(dsid, lo - start, expected)
+        read_padded(dsid, lo - start, expected, end - start)
         actual = window.rows(lo, hi)
         if not same_bytes(expected, actual):
             bad = first_difference(expected, actual) or 0
@@ -349,7 +350,7 @@ def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
             continue
         for lo in range(a, b, step):
             hi = min(b, lo + step)
-            read_into(source.id, lo - start, expected_rows[:hi - lo])
+            read_padded(source.id, lo - start, expected_rows[:hi - lo], end - start)
             read_into(output.id, lo, actual[:hi - lo])
             bad = first_difference(expected_rows[:hi - lo], actual[:hi - lo])
             if bad is not None:
