@@ -43,6 +43,7 @@ class _LimitedTask(Task):
 
 @functools.cache
 def _backend_class(base: type) -> type:
+    """``base`` (the backend class the URL names) with :data:`BACKEND_MIXIN` before it."""
     return type(base.__name__, (symbol_by_name(BACKEND_MIXIN), base), {})
 
 

@@ -1,8 +1,12 @@
-"""The request class of every chkq task: time limits capped at the worker's.
+"""The request class of every chkq task: time limits capped at the worker's, outages retried.
 
 Loaded by Celery by name (:data:`chkq.config.limits.REQUEST_CLASS`) where
 tasks execute, so clients do not import the worker's request machinery.
-The rules are in :mod:`chkq.config.limits`.
+The rules of the limits are in :mod:`chkq.config.limits`. A task that
+failed because the broker or the result backend did not answer is handed
+back to its queue after a delay that grows with each such failure
+(:func:`requeue_delay`), never recorded as failed
+(:mod:`chkq.workers.result_backend`).
 """
 
 from __future__ import annotations
