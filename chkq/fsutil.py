@@ -1,65 +1,74 @@
-"""Durable file operations shared by the core: no reader ever sees a partial file."""
+"""Durable file writes (no reader sees a partial file), writability checks, disk-full errors."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 from pathlib import Path
 
-from chkq.errors import OutputNotWritableError, OutputWriteError
+from chkq.errors import OutputExistsError, OutputNotWritableError, OutputWriteError
 from chkq.rundir import CREATE
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory, so that names created or removed in it survive a crash."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
+    """A new, randomly named, fsynced file in directory ``dir_fd`` holding ``data``; its name.
 
-
-def create_temp(directory: Path, stem: str) -> tuple[int, Path]:
-    """Create a new, empty temporary file in ``directory``; return (fd, path).
-
-    The name (``<stem>.<random>.tmp``) is unpredictable and the file is
-    created with O_CREAT|O_EXCL|O_NOFOLLOW, so a file or symbolic link that
+    The name (``.chkq-<random>.tmp``) is unpredictable and the file is
+    created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or symbolic link
     someone planted at a temporary's name is never opened, truncated or
-    written through (a predictable name like ``<stem>.<pid>.tmp`` could be).
-    The mode is 0o666 less the umask, as for :func:`open`.
+    written through. It is created 0600 and given ``mode & 0o777`` before any
+    byte is written. On any error nothing is left behind.
     """
-    while True:
-        temp = directory / f"{stem}.{secrets.token_hex(8)}.tmp"
+    for _ in range(16):
+        temp = f".chkq-{secrets.token_hex(12)}.tmp"
         try:
-            return os.open(temp, CREATE, 0o666), temp
+            fd = os.open(temp, CREATE, 0o600, dir_fd=dir_fd)
         except FileExistsError:
             continue
-
-
-def write_durably(path: Path, data: bytes | str, *, exclusive: bool = False) -> None:
-    """Write ``data`` to ``path`` through a fsynced temporary next to it.
-
-    The temporary (hidden, randomly named, created exclusively without
-    following links: see :func:`create_temp`) is renamed over ``path``
-    (replacing it), or with ``exclusive`` hard-linked to it (FileExistsError
-    if ``path`` exists), so no reader ever sees a partial file.
-    """
-    hidden = path.name if path.name.startswith(".") else f".{path.name}"
-    raw = data.encode() if isinstance(data, str) else data
-    fd, temp = create_temp(path.parent, hidden)
+        break
+    else:
+        raise OutputExistsError("could not create a temporary file")
     try:
-        with open(fd, "wb", closefd=True) as fh:
-            fh.write(raw)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if exclusive:
-            os.link(temp, path, follow_symlinks=False)
+        os.fchmod(fd, mode & 0o777)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    return temp
+
+
+def install(dir_fd: int, name: str, data: bytes, *, mode: int = 0o600,
+            replace: bool = False) -> None:
+    """Put ``data`` at ``name`` in directory ``dir_fd`` durably: no reader sees a partial file.
+
+    The bytes go to a temporary (:func:`write_temp`) that is then hard-linked
+    to ``name`` — never replacing a file — or, with ``replace``, renamed over
+    whatever is there (a link is replaced, not written through); both act on
+    the name itself. The directory is fsynced, so the name survives a crash.
+
+    Raises
+    ------
+    FileExistsError
+        If ``name`` exists and ``replace`` is not given; nothing was changed.
+    """
+    temp = write_temp(dir_fd, data, mode)
+    try:
+        if replace:
+            os.replace(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
         else:
-            os.replace(temp, path)
+            os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     finally:
-        temp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
 #: errno values that mean "this filesystem cannot take the output": full, over quota,

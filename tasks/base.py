@@ -1,4 +1,10 @@
-"""What every chkq task shares: a log line at start and end, progress, a redelivery cap.
+"""What every chkq task shares: one lifecycle, progress, a redelivery cap.
+
+The lifecycle (:func:`task_lifecycle`) is the same for every task, in this
+order: the message's arguments are checked before anything is read or
+written, the delivery is counted, one line is logged when the body starts
+and one when it ends (a user error, :func:`chkq.errors.is_user_error`, at
+WARNING; anything else at ERROR).
 
 Progress goes two ways: ``update_state(state="PROGRESS")`` for
 the result backend, which the CLI reads, and a ``task-progress`` event,
@@ -12,11 +18,15 @@ budget (:func:`slowest_rates`), which bounds every unit's duration.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import math
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import Task
@@ -173,3 +183,58 @@ class Timer:
         else:
             (log.warning if is_user_error(type(exc)) else log.error)(
                 "fail %s", self._fields({"error": repr(exc), "seconds": seconds}))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A task message's arguments once checked: what the body gets, what its log lines name.
+
+    Attributes
+    ----------
+    subject
+        The job (or, for a commit, the run) the task works for: the ``job=`` of its lines.
+    args, kwargs
+        The body's arguments, built from the checked message (resolved paths, parsed
+        options), never the message's own values unchecked.
+    what
+        What the task works on, for its log lines (and people reading Flower).
+    """
+
+    subject: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    what: dict[str, Any] = field(default_factory=dict)
+
+
+def scalars(result: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a task's result that fit on its end line (strings and numbers)."""
+    return {k: v for k, v in result.items() if isinstance(v, str | int | float)}
+
+
+def task_lifecycle(check: Callable[..., Checked],
+                   summary: Callable[[dict[str, Any]], dict[str, Any]] = scalars
+                   ) -> Callable[[Callable[..., dict[str, Any]]], Callable[..., dict[str, Any]]]:
+    """Run a task's body inside the one lifecycle every chkq task has.
+
+    ``check(self, *message_args, **message_kwargs)`` validates the message
+    and returns what the body gets (:class:`Checked`); it raises a user
+    error for a malformed message, before anything else happens. Then the
+    delivery is counted (:meth:`ChkqTask.check_deliveries`), and the body
+    runs between a start line and an end line, which ``summary`` of its
+    result completes. The task's signature, which Celery checks a call
+    against, is the message's — ``check``'s, with the body's return type.
+    """
+    def decorate(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+        @functools.wraps(body)
+        def task(self: ChkqTask, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            checked = check(self, *args, **kwargs)
+            self.check_deliveries()
+            with Timer(self.name, checked.subject, **checked.what) as timer:
+                result = body(self, *checked.args, **checked.kwargs)
+                timer.result = summary(result)
+            return result
+        signature = inspect.signature(check).replace(
+            return_annotation=inspect.signature(body).return_annotation)
+        task.__signature__ = signature  # type: ignore[attr-defined]
+        return task
+    return decorate

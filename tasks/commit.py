@@ -34,7 +34,7 @@ from chkq.log.transfer import (
 )
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
-from chkq.tasks.base import ChkqTask, Timer
+from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
 
 MAX_RETRIES = 30
 #: A parent still being committed is waited for by retries 0.25 s apart at first, then up
@@ -85,6 +85,30 @@ def checkpoint_source(path: Any) -> Path:
     return resolve_allowed(path, get_settings().allowed_roots)
 
 
+def _commit_message(self: ChkqTask, store_url: str, run: str, path: str | None = None,
+                    **options: Any) -> Checked:
+    """A commit message checked: its options, store (and its directory) and checkpoint path.
+
+    ``path`` has a default only so that this check, not Celery's argument
+    binding, reports what is wrong with a message: the options first (an
+    unknown one by its name), then a missing path.
+    """
+    wanted = CommitOptions.from_json(options)
+    location = parse_store_url(store_url)
+    if location.local_root is not None:
+        resolve_allowed(location.local_root, get_settings().allowed_roots)
+    source = checkpoint_source(path)
+    log = CheckpointLog(location.open(), run)
+    return Checked(run, (log, source, wanted), {},
+                   {"store": log.store.url, "source": str(source)})
+
+
+def _summary(record: dict[str, Any]) -> dict[str, Any]:
+    """A commit's end line: the checkpoint's short id, its size, kind and stored bytes."""
+    return {"id": record["id"][:12], "bytes": record["full_size"], "kind": record["kind"],
+            "stored": record["stored_size"]}
+
+
 @get_app().task(
     name="chkq.commit",
     bind=True,
@@ -95,40 +119,30 @@ def checkpoint_source(path: Any) -> Path:
     retry_jitter=True,
     max_retries=MAX_RETRIES,
 )
-def commit(self: ChkqTask, store_url: str, run: str, path: str | None = None,
-           **options: Any) -> dict[str, Any]:
+@task_lifecycle(_commit_message, _summary)
+def commit(self: ChkqTask, log: CheckpointLog, source: Path,
+           wanted: CommitOptions) -> dict[str, Any]:
     """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
-    ``options`` are the fields of :class:`chkq.log.transfer.CommitOptions` a
-    message may carry (:meth:`~chkq.log.transfer.CommitOptions.to_json`):
-    ``name``, kept (with ``model``) in a name entry of its own so that
-    ``chkq log restore`` can put the file back under every name it was
-    committed as, and ``expect_id`` (the SHA-256 the watcher saw), which
-    guards against a file changed since, among them. Every argument is
-    checked (unknown names, types, ids, the resolved store directory and file
-    against ``CHKQ_ALLOWED_ROOTS``) before anything is read or written; the
-    source file is only read, never removed. ``path`` has a default only so
-    that the task, not Celery's argument binding, reports what is wrong with a
-    message: the options first (an unknown one by its name), then a missing path.
+    The message is ``(store_url, run, path, **options)``; ``options`` are
+    the fields of :class:`chkq.log.transfer.CommitOptions` a message may
+    carry (:meth:`~chkq.log.transfer.CommitOptions.to_json`): ``name``,
+    kept (with ``model``) in a name entry of its own so that ``chkq log
+    restore`` can put the file back under every name it was committed as,
+    and ``expect_id`` (the SHA-256 the watcher saw), which guards against a
+    file changed since, among them. Every argument is checked
+    (:func:`_commit_message`: unknown names, types, ids, the resolved store
+    directory and file against ``CHKQ_ALLOWED_ROOTS``) before anything is
+    read or written; the source file is only read, never removed.
     """
-    self.check_deliveries()
-    wanted = CommitOptions.from_json(options)
-    location = parse_store_url(store_url)
-    if location.local_root is not None:
-        resolve_allowed(location.local_root, get_settings().allowed_roots)
-    source = checkpoint_source(path)
-    log = CheckpointLog(location.open(), run)
-    with Timer("chkq.commit", run, store=log.store.url, source=str(source)) as timer:
-        try:
-            parent = wanted.parent
-            if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
-                raise ParentNotCommittedError(
-                    f"parent {parent} is not a checkpoint of run {run!r} (yet)")
-            data, mode = read_stable(source)
-            record = commit_bytes(log, data, wanted, mode=mode)
-        except ParentNotCommittedError as exc:
-            raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
-                             max_retries=PARENT_RETRIES) from None
-        timer.result = {"id": record.id[:12], "bytes": len(data), "kind": record.kind,
-                        "stored": record.stored_size}
+    try:
+        parent = wanted.parent
+        if parent is not None and not wait_for_parent(log, parent, PARENT_POLL_SECONDS):
+            raise ParentNotCommittedError(
+                f"parent {parent} is not a checkpoint of run {log.run_id!r} (yet)")
+        data, mode = read_stable(source)
+        record = commit_bytes(log, data, wanted, mode=mode)
+    except ParentNotCommittedError as exc:
+        raise self.retry(exc=exc, countdown=parent_wait(self.request.retries or 0),
+                         max_retries=PARENT_RETRIES) from None
     return asdict(record)

@@ -30,7 +30,6 @@ import functools
 import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -75,9 +74,10 @@ from chkq.errors import (
     UnprovenJobError,  # noqa: F401 (re-exported)
 )
 from chkq.fsutil import WRITE_ERRNOS, write_failure
+from chkq.lru import LRU
 from chkq.rundir import RunDir
 from chkq.tasks import protocol
-from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer, slowest_rates
+from chkq.tasks.base import Checked, ChkqTask, JobInterruptedError, slowest_rates, task_lifecycle
 from chkq.tasks.protocol import (
     consolidation_signature,
     fail_signature,
@@ -175,35 +175,36 @@ def launch_verification(plan: Plan) -> None:
 
 
 def job_step(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """The lifecycle of every step of a job, applied before and around its body.
+    """The lifecycle of every step of a job (:func:`chkq.tasks.base.task_lifecycle`).
 
-    In order, so that no step can skip any of it: the message's directory,
-    model and job id are checked (the directory resolved and checked
-    against ``CHKQ_ALLOWED_ROOTS``) before any file is touched; a step of a
-    cancelled job stops; the delivery is counted (a message that keeps
-    killing its worker fails its job); one log line is written when the step
-    starts and one when it ends, with what it worked on and what it did
-    (the body's result). The body gets the resolved directory. A write that
-    fails for want of space (or a filesystem turned read-only) is restated
-    naming the file and the filesystem.
+    The message's directory, model and job id are checked (the directory
+    resolved and checked against ``CHKQ_ALLOWED_ROOTS``) before any file is
+    touched, and a step of a cancelled job stops, before the delivery is
+    counted and the start line logged. The body gets the resolved
+    directory. A write that fails for want of space (or a filesystem turned
+    read-only) is restated naming the file and the filesystem.
     """
     @functools.wraps(body)
-    def step(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
-             **kwargs: Any) -> dict[str, Any]:
-        directory, model, job = _checked(out_dir, model, job)
-        _stop_if_cancelled(job)
-        self.check_deliveries()
-        with Timer(self.name, job, model=model, **_what(args, kwargs)) as timer:
-            try:
-                result = body(self, str(directory), model, job, *args, **kwargs)
-            except OSError as exc:
-                if exc.errno in WRITE_ERRNOS and not isinstance(exc, ChkqError):
-                    raise write_failure(directory, exc,
-                                        JobFiles(directory, model, job).temp) from None
-                raise
-            timer.result = {k: v for k, v in result.items() if isinstance(v, str | int | float)}
-        return result
-    return step
+    def run(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
+            **kwargs: Any) -> dict[str, Any]:
+        try:
+            return body(self, out_dir, model, job, *args, **kwargs)
+        except OSError as exc:
+            if exc.errno in WRITE_ERRNOS and not isinstance(exc, ChkqError):
+                directory = Path(out_dir)
+                raise write_failure(directory, exc,
+                                    JobFiles(directory, model, job).temp) from None
+            raise
+    return task_lifecycle(_job_message)(run)
+
+
+def _job_message(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
+                 **kwargs: Any) -> Checked:
+    """A job step's message checked: its directory resolved, its job not cancelled."""
+    directory, model, job = _checked(out_dir, model, job)
+    _stop_if_cancelled(job)
+    return Checked(job, (str(directory), model, job, *args), kwargs,
+                   {"model": model, **_what(args, kwargs)})
 
 
 def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -356,8 +357,8 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bo
 
 #: The files of the runs this process scanned last, by job: a run of 20,000 files has a
 #: list of a megabyte and a half, which every one of its scan units would parse again.
-_RUN_FILES: OrderedDict[str, tuple[str, str, list[Path]]] = OrderedDict()
 RUN_FILES_CACHE = 4
+_RUN_FILES: LRU[str, tuple[str, str, list[Path]]] = LRU(RUN_FILES_CACHE)
 
 
 def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
@@ -368,10 +369,8 @@ def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
         if recorded is None:
             raise JobStateGoneError(
                 f"consolidation job {job} has no recorded checkpoints to scan")
-        cached = _RUN_FILES[job] = (out_dir, model,
-                                    run_files(_checked_run(recorded, out_dir, model, job)))
-        while len(_RUN_FILES) > RUN_FILES_CACHE:
-            _RUN_FILES.popitem(last=False)
+        cached = (out_dir, model, run_files(_checked_run(recorded, out_dir, model, job)))
+        _RUN_FILES.put(job, cached)
     return cached[2]
 
 

@@ -47,7 +47,6 @@ import json
 import os
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -71,6 +70,7 @@ from chkq.errors import (
     JobNotFoundError,
     JobStateGoneError,
 )
+from chkq.lru import LRU
 
 #: The steps of a job, in order (``link`` has the job's own id).
 STEPS = ("plan", "copy", "merge", "verify", "link")
@@ -388,8 +388,8 @@ def store_plan(plan: Plan) -> Plan:
 
 #: Plans this process parsed, newest last: a plan is written once and never changes, and
 #: a run of thousands of files has a plan of megabytes that every task would parse again.
-_PLANS: OrderedDict[str, Plan] = OrderedDict()
 PLAN_CACHE = 4
+_PLANS: LRU[str, Plan] = LRU(PLAN_CACHE)
 
 
 def recorded_plan(job: str) -> Plan | None:
@@ -403,11 +403,11 @@ def recorded_plan(job: str) -> Plan | None:
         If it names a path that is not one of its run's checkpoints.
     """
     key = _key(job, "plan")
-    if job in _PLANS:
+    cached = _PLANS.get(job)
+    if cached is not None:
         if _client().exists(key):
-            _PLANS.move_to_end(job)
-            return _PLANS[job]
-        del _PLANS[job]
+            return cached
+        _PLANS.pop(job)
         return None
     raw = _client().get(key)
     if not raw:
@@ -417,9 +417,7 @@ def recorded_plan(job: str) -> Plan | None:
         plan = Plan.from_json(text)
     except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise ForgedRecordError(f"job record {key} is not a plan: {exc}; refused") from None
-    _PLANS[job] = _check_plan_paths(plan, job)
-    while len(_PLANS) > PLAN_CACHE:
-        _PLANS.popitem(last=False)
+    _PLANS.put(job, _check_plan_paths(plan, job))
     return plan
 
 
@@ -959,7 +957,7 @@ def job_status(job: str) -> JobStatus:
     elif cancel is not None:
         status.state, status.phase = JobState.CANCELLED, Phase.CANCELLED
         status.cancelled = float(cancel.get("cancelled") or 0) or None
-        status.error = f"cancelled {_when(status.cancelled)}"
+        status.error = f"cancelled {when(status.cancelled)}"
     elif recorded is not None or link.state == "FAILURE" or causes:
         status.state, status.phase = JobState.FAILURE, Phase.FAILED
         if recorded is not None:
@@ -994,7 +992,8 @@ def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> Phase:
         Phase.COPYING if plan.state == "SUCCESS" else Phase.QUEUED)
 
 
-def _when(timestamp: float | None) -> str:
+def when(timestamp: float | None) -> str:
+    """A time of the job's records, as ``chkq status`` shows it (local time, to the second)."""
     if timestamp is None:
         return "?"
     return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")

@@ -10,8 +10,8 @@ import pytest
 from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE, CONTROL_QUEUE
 from chkq.demo import RunShape, make_run
-from tests.helpers import snapshot
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.helpers import snapshot
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 60
 

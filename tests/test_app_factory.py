@@ -6,10 +6,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from chkq.config.celery_app import get_app, make_app, use_app
 from chkq.config.settings import Settings
 
 
+@pytest.mark.cluster
 def test_importing_reads_nothing_and_builds_nothing() -> None:
     """With a setting that cannot be read, every layer still imports; the app is made on use."""
     env = {**os.environ, "CHKQ_BLOCK_BYTES": "-5"}

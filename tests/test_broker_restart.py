@@ -20,12 +20,11 @@ import pytest
 from chkq.demo import make_run
 from chkq.tasks.base import JobInterruptedError
 from chkq.workers.client import submit_consolidation
-from tests.helpers import assert_consolidated, snapshot, wait_for
-from tests.test_faults import SLOW_RUN, Cluster, checkpoints_only, leftovers, make_cluster
+from support.helpers import assert_consolidated, snapshot, wait_for
+from support.plugins.faults import SLOW_RUN, Cluster, checkpoints_only, leftovers
 
-__all__ = ["make_cluster"]
-
-pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+pytestmark = [pytest.mark.fault,
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 #: Limits far above the test's own waits: only a restore on reconnect brings a task back.
 LONG_LIMITS = {

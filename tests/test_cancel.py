@@ -25,7 +25,10 @@ from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.launch import launch_worker, stop_worker
-from tests.helpers import snapshot, wait_for, write_lease
+from support.helpers import snapshot, wait_for, write_lease
+
+#: Every test here starts processes (workers, the command line).
+pytestmark = pytest.mark.cluster
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 TIMEOUT = 120.0

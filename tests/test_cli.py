@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import assert_consolidated, snapshot
+from support.helpers import assert_consolidated, snapshot
+
+#: Every test here starts processes (the command line, an embedded cluster).
+pytestmark = pytest.mark.cluster
 
 TIMEOUT = 180
 

@@ -8,7 +8,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.client import Progress, submit_consolidation
-from tests.plugins.cluster import WorkerProcess
+from support.plugins.cluster import WorkerProcess
 
 TIMEOUT = 120
 

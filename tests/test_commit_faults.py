@@ -19,9 +19,12 @@ from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
 from chkq.workers.commit_client import record_of, submit_commit, submit_commit_chain
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.object_stores import BUCKET, FaultProxy
-from tests.test_log_tasks import checkpoint_series, payload_keys
+from support.helpers import checkpoint_series, payload_keys
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.object_stores import BUCKET, FaultProxy
+
+#: Every test here kills a process or cuts a server off.
+pytestmark = pytest.mark.fault
 
 TIMEOUT = 180
 
@@ -101,6 +104,7 @@ log.commit(open(sys.argv[2], "rb").read(), sys.argv[3] if len(sys.argv) > 3 else
 """
 
 
+@pytest.mark.cluster
 def test_gc_removes_what_a_killed_committer_left_and_nothing_else(tmp_path: Path) -> None:
     """A committer SIGKILLed between payload and record leaves one orphan; gc takes it."""
     url = f"file://{tmp_path / 'store'}"

@@ -15,8 +15,8 @@ from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import copied, recorded_plan
 from chkq.workers.client import ConsolidationJob, submit_consolidation
-from tests.helpers import assert_consolidated, corrupt_chunk, snapshot, wait_for
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.helpers import assert_consolidated, corrupt_chunk, snapshot, wait_for
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 SLUG = Path(__file__).resolve().parent / "data" / "QHIFUVstats.h5"
 TIMEOUT = 120

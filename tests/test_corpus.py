@@ -1,21 +1,20 @@
 """HDF5 files written by other software, consolidated on real workers, checked independently.
 
-Each case (a file of tests/data/corpus, or a synthetic file of tests/corpus.py)
+Each case (a file of tests/data/corpus, or a synthetic file of tests/support/corpus.py)
 becomes a checkpointed run (two single-file checkpoints and a directory of
 two rank files, rows varied between them), is consolidated through the
 session's worker processes, and then EITHER the output equals, object by
-object, what tests/corpus_expect.py computes from the sources, OR the job was
+object, what tests/support/corpus_expect.py computes from the sources, OR the job was
 refused with ValueError/TypeError/NotImplementedError naming the object and
 left the run directory exactly as it was. Anything else fails.
 
 By default a representative subset runs; the whole corpus with
 ``CHKQ_CORPUS=all pytest -m corpus tests/test_corpus.py`` (or
-``python -m pytest -p tests.corpus -m corpus --corpus-all``).
+``pytest -m corpus --corpus-all tests/test_corpus.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import warnings
@@ -25,8 +24,9 @@ import h5py
 import pytest
 
 from chkq.workers.client import submit_consolidation
-from tests.corpus import all_cases, make_run, resolve
-from tests.corpus_expect import compare_full, template_of, walk
+from support.corpus import all_cases, make_run, resolve
+from support.corpus_expect import compare_full, template_of, walk
+from support.helpers import snapshot
 
 pytestmark = pytest.mark.corpus
 
@@ -77,14 +77,6 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def test_subset_names_exist() -> None:
     missing = sorted(set(SUBSET) - set(all_cases()))
     assert not missing, f"SUBSET names no corpus case: {missing}"
-
-
-def snapshot(directory: Path) -> dict[str, str]:
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        rel = str(path.relative_to(directory))
-        found[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
 
 
 def names_an_object(message: str, template: Path, scratch: Path) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from h5py import h5d, h5p, h5r, h5s, h5t
 
-from tests.corpus import (
+from support.corpus import (
     _raw_attr,
     _raw_dataset,
     _string_type,
@@ -25,7 +25,7 @@ from tests.corpus import (
     make_run,
     resolve,
 )
-from tests.corpus_expect import CorpusWarning, compare, compare_full, needs_decoding, template_of
+from support.corpus_expect import CorpusWarning, compare, compare_full, needs_decoding, template_of
 
 # Cases where an exact consolidation does not exist or cannot be verified: the
 # comparator must say so (the corpus test expects a refusal for these).

@@ -11,7 +11,7 @@ import pytest
 
 from chkq.consolidation.chunk_encoding import ChunkEncoder
 from chkq.consolidation.driver import consolidate_here
-from tests.test_fidelity import make_run
+from support.h5runs import make_run
 
 ROW = np.dtype([("id", "<u8"), ("x", ">f4"), ("flag", "u1")])
 

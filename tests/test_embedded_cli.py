@@ -26,7 +26,7 @@ from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError, open_store
 from chkq.stores import base as store_base
 from chkq.workers.broker import PrivateRedis, free_port
-from tests.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET
 
 CHKQ = str(Path(sys.executable).parent / "chkq")
 TIMEOUT = 120.0
@@ -59,6 +59,7 @@ def chkq(cwd: Path, *args: str, env: dict[str, str] | None = None,
                           text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.cluster
 def test_every_command_works_from_a_directory_holding_a_chkq_folder(
     shadowing_dir: Path, tmp_path: Path
 ) -> None:
@@ -102,6 +103,7 @@ def test_a_broker_less_s3_commit_runs_in_the_command_itself(
         f"committed by {entry.writer}, not by the command (pid {process.pid}) itself")
 
 
+@pytest.mark.cluster
 def test_a_commit_to_an_unreachable_store_fails_within_one_budget_and_says_it_retries(
     tmp_path: Path
 ) -> None:
@@ -149,6 +151,7 @@ def test_store_operations_inside_one_budget_share_it(monkeypatch: pytest.MonkeyP
     assert calls[-1] - calls[0] > 5.0, "outside the block an operation has its own budget"
 
 
+@pytest.mark.cluster
 def test_a_watch_whose_store_goes_away_says_so_and_commits_once_it_is_back(
     tmp_path: Path
 ) -> None:
@@ -267,6 +270,7 @@ UI_AND_API = ("/", "/workers", "/tasks", "/broker", "/worker/x", "/task/x", "/ap
               "/api/tasks", "/api/task/info/x")
 
 
+@pytest.mark.cluster
 def test_flower_asks_every_page_and_the_api_for_credentials_and_ctrl_c_ends_it(
     shadowing_dir: Path, broker: str
 ) -> None:
@@ -297,6 +301,7 @@ def test_flower_asks_every_page_and_the_api_for_credentials_and_ctrl_c_ends_it(
     assert len(password) >= 16
 
 
+@pytest.mark.cluster
 def test_flower_takes_the_configured_credentials_and_the_generated_ones_open_the_ui(
     tmp_path: Path, broker: str
 ) -> None:

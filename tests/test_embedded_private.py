@@ -25,7 +25,7 @@ import pytest
 import redis
 
 from chkq.workers.broker import PrivateRedis
-from tests.plugins.users import LocalUser
+from support.plugins.users import LocalUser
 
 TIMEOUT = 120.0
 
@@ -255,6 +255,7 @@ def test_chkq_watch_runs_no_broker_and_no_worker_while_the_simulation_runs(
     assert sorted(committed) == sorted(str(f.relative_to(run)) for f in files)
 
 
+@pytest.mark.cluster
 def test_the_private_broker_refuses_clients_without_its_password_and_has_no_tcp_port() -> None:
     with PrivateRedis(unix_socket=True) as server:
         assert server.kind == "redis-server"
@@ -312,6 +313,7 @@ with EmbeddedCluster(1) as cluster:
 """
 
 
+@pytest.mark.cluster
 def test_the_broker_directory_goes_even_when_its_command_is_killed_outright() -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}

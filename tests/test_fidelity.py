@@ -8,7 +8,6 @@ check: the value, the type, the link, the reference target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -17,28 +16,8 @@ import pytest
 from h5py import h5a, h5d, h5p, h5s, h5t
 
 from chkq.consolidation.driver import consolidate_here
-from tests.helpers import snapshot
-
-Builder = Callable[[h5py.File, int], None]
-
-
-def mark_complete(path: Path) -> None:
-    """Add the root attribute ``trials_completed`` with the low-level API only."""
-    fid = h5py.h5f.open(str(path).encode(), h5py.h5f.ACC_RDWR)
-    try:
-        space = h5s.create(h5s.SCALAR)
-        attr = h5a.create(fid, b"trials_completed", h5t.STD_U64LE, space)
-        attr.write(np.array(1, dtype="<u8"))
-    finally:
-        fid.close()
-
-
-def make_run(tmp_path: Path, build: Builder, checkpoints: int = 2, userblock: int = 0) -> None:
-    for n in range(1, checkpoints + 1):
-        path = tmp_path / f"run_chk{n:05d}.h5"
-        with h5py.File(path, "w", userblock_size=userblock or None) as f:
-            build(f, n)
-        mark_complete(path)
+from support.h5runs import make_run
+from support.helpers import snapshot
 
 
 def nullterm(size: int) -> h5t.TypeID:
@@ -225,7 +204,7 @@ def test_creation_properties_and_userblock_kept(tmp_path: Path) -> None:
         f.create_dataset("scalar", data=3.5)
         f.create_dataset("null", data=h5py.Empty("f4"))
 
-    make_run(tmp_path, build, userblock=512)
+    make_run(tmp_path, build, userblock_size=512)
     with open(tmp_path / "run_chk00002.h5", "r+b") as fh:
         fh.write(b"MATLAB 7.3 MAT-file, written by a test")
     out = consolidate_here(tmp_path, "run")
@@ -294,7 +273,6 @@ def test_symbolic_links_in_a_run_are_refused(tmp_path: Path) -> None:
     {"compression": 307, "compression_opts": (9,)},  # BZip2
 ])
 def test_plugin_filters_through_hdf5plugin(tmp_path: Path, filter_options: dict) -> None:
-    import hdf5plugin  # noqa: F401
 
     def build(f: h5py.File, n: int) -> None:
         f.create_dataset("x", data=np.arange(1000.0) * n, maxshape=(None,), chunks=(100,),

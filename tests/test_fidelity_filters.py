@@ -30,10 +30,10 @@ from chkq.consolidation.output_check import check_output
 from chkq.consolidation.skeleton import create_extensible, stored_filters
 from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
-from tests.corpus_expect import compare
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess
-from tests.test_hdf5_bounds import TIMEOUT, make_run, refused
+from support.corpus_expect import compare
+from support.h5runs import TIMEOUT, make_run, refused
+from support.helpers import assert_consolidated, snapshot
+from support.plugins.cluster import WorkerProcess
 
 #: Each dataset's filter as a producer sets it: (filter id, options from hdf5plugin).
 FILTERS: dict[str, hdf5plugin.Bitshuffle | hdf5plugin.SZ3 | hdf5plugin.SZ] = {
@@ -161,6 +161,7 @@ def test_filter_parameters_no_installed_plugin_produces_are_refused_before_writi
     assert "set-local" in message
 
 
+@pytest.mark.cluster
 def test_the_driver_refuses_them_too_and_writes_nothing(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()

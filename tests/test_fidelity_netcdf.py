@@ -28,10 +28,10 @@ from chkq.consolidation.prepare import prepare
 from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
 from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
-from tests.corpus_expect import compare
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess
-from tests.test_hdf5_bounds import TIMEOUT, refused
+from support.corpus_expect import compare
+from support.h5runs import TIMEOUT, refused
+from support.helpers import assert_consolidated, snapshot
+from support.plugins.cluster import WorkerProcess
 
 #: Records of each checkpoint's time coordinate.
 RECORDS = 10

@@ -25,10 +25,10 @@ from h5py import h5d, h5g, h5o, h5p, h5s, h5t
 from chkq.consolidation.output_check import check_output
 from chkq.errors import OutputMismatchError
 from chkq.workers.client import submit_consolidation
-from tests.corpus_expect import compare
-from tests.helpers import assert_consolidated
-from tests.plugins.cluster import WorkerProcess
-from tests.test_hdf5_bounds import TIMEOUT, make_run, refused
+from support.corpus_expect import compare
+from support.h5runs import TIMEOUT, make_run, refused
+from support.helpers import assert_consolidated
+from support.plugins.cluster import WorkerProcess
 
 Builder = Callable[[h5py.File, int], None]
 

@@ -22,19 +22,18 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from h5py import h5a, h5f, h5s, h5t
 
 from chkq.config.routing import QUEUES
 from chkq.consolidation.checkpoint_files import MAX_DEPTH, UNWRITTEN_SLACK
 from chkq.consolidation.output_check import check_output
 from chkq.errors import OutputMismatchError
 from chkq.workers.client import submit_consolidation
-from tests.corpus_expect import compare
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.users import LocalUser
+from support.corpus_expect import compare
+from support.h5runs import TIMEOUT, Builder, make_run, refused
+from support.helpers import assert_consolidated
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.users import LocalUser
 
-TIMEOUT = 180
 MiB = 1024 * 1024
 #: The block the measured workers run with, and what a pool process may grow by during a
 #: job beyond its peak after a small warm-up job: a few blocks (the kept verify windows,
@@ -42,29 +41,10 @@ MiB = 1024 * 1024
 BLOCK = 16 * MiB
 GROWTH = 4 * BLOCK
 
-Builder = Callable[[h5py.File, int], None]
 
 
-def mark_complete(path: Path) -> None:
-    fid = h5f.open(str(path).encode(), h5f.ACC_RDWR)
-    try:
-        attr = h5a.create(fid, b"trials_completed", h5t.STD_U64LE, h5s.create(h5s.SCALAR))
-        attr.write(np.array(1, dtype="<u8"))
-    finally:
-        fid.close()
 
 
-def make_run(run: Path, build: Builder, checkpoints: int = 2, **options: object) -> list[Path]:
-    """Checkpoints ``run_chkNNNNN.h5`` written by ``build(file, n)`` with h5py ``options``."""
-    run.mkdir(exist_ok=True)
-    files = []
-    for n in range(1, checkpoints + 1):
-        path = run / f"run_chk{n:05d}.h5"
-        with h5py.File(path, "w", **options) as f:  # type: ignore[arg-type]
-            build(f, n)
-        mark_complete(path)
-        files.append(path)
-    return files
 
 
 def rows(f: h5py.File, n: int) -> None:
@@ -110,13 +90,6 @@ def growth_at_most(worker: WorkerProcess, limit: int) -> Iterator[None]:
         f" MiB; peaks {[peak_rss(p) // MiB for p in pids]} MiB)")
 
 
-def refused(run: Path, pattern: str) -> str:
-    """Consolidate ``run``; assert a ValueError matching ``pattern``, no output, nothing changed."""
-    before = snapshot(run)
-    with pytest.raises(ValueError, match=pattern) as caught:
-        submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
-    assert snapshot(run) == before, "a refused job left or changed files"
-    return str(caught.value)
 
 
 # --------------------------------------------------------------------------- memory

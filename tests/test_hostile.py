@@ -32,8 +32,8 @@ from chkq.demo import RunShape, make_run
 from chkq.tasks import protocol
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess
+from support.helpers import assert_consolidated, snapshot
+from support.plugins.cluster import WorkerProcess
 
 TIMEOUT = 60
 

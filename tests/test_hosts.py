@@ -1,7 +1,7 @@
 """Faults across hosts: RabbitMQ broker, workers on two other hosts, real cuts and kills.
 
 The hosts are network namespaces on a bridge of the test's own
-(:mod:`tests.plugins.hosts`): the broker host (RabbitMQ, in a vhost of the
+(:mod:`support.plugins.hosts`): the broker host (RabbitMQ, in a vhost of the
 test's own, and the Redis result backend) is the root namespace, where the
 test process also waits for the job; two worker hosts run ``chkq worker``
 each; a submitter host runs ``chkq consolidate``. Faults are real: a host's
@@ -29,13 +29,13 @@ from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.tasks.base import deliveries_key
 from chkq.workers.client import ConsolidationJob, submit_consolidation
-from tests.helpers import assert_consolidated, snapshot, wait_for
-from tests.plugins.hosts import Host, Hosts, HostWorker, hosts
-from tests.plugins.rabbitmq import Vhost, amqp_vhost
+from support.helpers import assert_consolidated, snapshot, wait_for
+from support.plugins.hosts import Host, Hosts, HostWorker, hosts
+from support.plugins.rabbitmq import Vhost, amqp_vhost
 
 __all__ = ["amqp_vhost", "hosts"]
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.fault,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
 #: A node's loss must cost a job at most this long (from the loss to the job's end).

@@ -1,7 +1,7 @@
 """The result backend unreachable from one worker host while it verifies, then back.
 
 Hosts are network namespaces on a bridge of the test's own
-(:mod:`tests.plugins.hosts`). The broker host (the root namespace) runs
+(:mod:`support.plugins.hosts`). The broker host (the root namespace) runs
 RabbitMQ (a vhost of the test's own) and the Redis result backend; the
 backend also answers at an address of its own on the bridge (a relay), the
 only one the verifying host is given, so that host's path to the backend
@@ -33,13 +33,13 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import assert_consolidated, snapshot, wait_for, write_lease
-from tests.plugins.hosts import Host, Hosts, HostWorker, hosts, ip
-from tests.plugins.rabbitmq import Vhost, amqp_vhost
+from support.helpers import assert_consolidated, snapshot, wait_for, write_lease
+from support.plugins.hosts import Host, Hosts, HostWorker, hosts, ip
+from support.plugins.rabbitmq import Vhost, amqp_vhost
 
 __all__ = ["amqp_vhost", "hosts"]
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.fault]
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "200", "CHKQ_TIME_LIMIT": "240",

@@ -32,7 +32,7 @@ from chkq.config.routing import COMMIT_QUEUE
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.request import WorkerLimitsRequest
-from tests.plugins.cluster import WorkerProcess
+from support.plugins.cluster import WorkerProcess
 
 #: Redis database of these tests (the session's tests use 0).
 DB = 11

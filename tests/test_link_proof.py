@@ -19,8 +19,8 @@ from chkq.config.routing import CONTROL_QUEUE, VERIFY_QUEUE
 from chkq.demo import RunShape, make_run
 from chkq.tasks import protocol
 from chkq.workers.client import submit_consolidation
-from tests.helpers import snapshot, wait_for
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.helpers import snapshot, wait_for
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 120
 

@@ -7,7 +7,6 @@ import multiprocessing
 import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from chkq import CheckpointCorruptionError
@@ -15,24 +14,15 @@ from chkq.log import CheckpointLog
 from chkq.log.delta import compress_full
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 from chkq.stores.faults import FaultyStore
+from support.helpers import assert_log_consistent
+from support.races import blob, commit_sequence, mutate
 
 MiB = 1 << 20
 LOCAL = pytest.mark.parametrize("store", ["file", "memory"], indirect=True)
 
 
-def blob(size: int, seed: int) -> bytes:
-    """Deterministic incompressible bytes."""
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def mutate(data: bytes, fraction: float, seed: int, run: int = 32) -> bytes:
-    """``data`` with ``fraction`` of its bytes rewritten in scattered ``run``-byte runs."""
-    rng = np.random.default_rng(seed)
-    array = np.frombuffer(data, dtype=np.uint8).copy()
-    starts = rng.integers(0, len(data) - run, max(1, int(len(data) * fraction) // run))
-    index = (starts[:, None] + np.arange(run)).ravel()
-    array[index] ^= rng.integers(1, 256, index.size, dtype=np.uint8)
-    return array.tobytes()
 
 
 def cold(log: CheckpointLog) -> CheckpointLog:
@@ -211,28 +201,9 @@ def test_cache_avoids_rereading_the_parent() -> None:
     assert reads() == [log.head_copy_key(parent)]
 
 
-def _commit_sequence(url: str, size: int, count: int, barrier: object) -> list[str]:
-    log = CheckpointLog(open_store(url), "shared", max_chain=4)
-    barrier.wait()  # type: ignore[attr-defined]
-    data = blob(size, 12)
-    parent = None
-    ids = []
-    for i in range(count):
-        parent = log.commit(data, parent, step=i)
-        ids.append(parent)
-        data = mutate(data, 0.01, 1000 + i)
-    return ids
 
 
-def _assert_consistent(log: CheckpointLog) -> None:
-    """One record per checkpoint; every payload referenced; every load verifies."""
-    records = log.manifest()
-    payloads = log.store.list(f"runs/{log.run_id}/payloads/")
-    assert sorted(r.payload for r in records) == payloads
-    for record in records:
-        assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id
-
-
+@pytest.mark.cluster
 def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     writers, count = 3, 8
@@ -241,14 +212,14 @@ def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
         barrier = manager.Barrier(writers)
         with context.Pool(writers) as pool:
             results = pool.starmap(
-                _commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
+                commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
             )
     assert results[0] == results[1] == results[2]
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(results[0])
     assert [r.id for r in log.heads()] == [results[0][-1]]
     assert [r.id for r in log.lineage(results[0][-1])] == results[0]
-    _assert_consistent(log)
+    assert_log_consistent(log)
     heads_dir = "runs/shared/heads/"
     assert set(log.store.list(heads_dir)) <= {log.head_copy_key(results[0][-1])}
 
@@ -273,9 +244,9 @@ def test_gc_removes_only_old_unreferenced_payloads(store: CheckpointStore) -> No
     assert store.list(f"runs/{log.run_id}/payloads/") == referenced
     assert store.exists(log.head_copy_key(b))
     assert log.gc(older_than=0) == []
-    _assert_consistent(cold(log))
+    assert_log_consistent(cold(log))
     assert log.commit(orphan_data, b) == orphan_id
-    _assert_consistent(cold(log))
+    assert_log_consistent(cold(log))
 
 
 def test_commit_survives_gc_of_a_reused_orphan_payload() -> None:
@@ -312,7 +283,7 @@ def test_racing_writers_with_different_parents_leave_no_orphans() -> None:
     assert racer.commit(target, a) == hashlib.sha256(target).hexdigest()
     record = log.record(hashlib.sha256(target).hexdigest())
     assert record.parent == b
-    _assert_consistent(cold(log))
+    assert_log_consistent(cold(log))
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -331,6 +302,7 @@ def test_random_histories_load_exactly(seed: int) -> None:
         assert view.load(checkpoint) == expected
 
 
+@pytest.mark.cluster
 def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) -> None:
     """Fault bar: nothing lost, no orphan payloads."""
     url = (tmp_path / "store").as_uri()
@@ -339,12 +311,12 @@ def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) ->
     with context.Manager() as manager:
         barrier = manager.Barrier(writers)
         with context.Pool(writers) as pool:
-            results = pool.starmap(_commit_sequence, [(url, 4096, count, barrier)] * writers)
+            results = pool.starmap(commit_sequence, [(url, 4096, count, barrier)] * writers)
     assert all(result == results[0] for result in results)
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(set(results[0]))
     assert [r.id for r in log.heads()] == [results[0][-1]]
-    _assert_consistent(log)
+    assert_log_consistent(log)
 
 
 def test_unserialisable_meta_writes_nothing() -> None:

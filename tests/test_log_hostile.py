@@ -26,8 +26,8 @@ from chkq.stores.memory import MemoryStore
 from chkq.stores.url import open_store
 from chkq.workers.cli import main as chkq_main
 from chkq.workers.commit_client import record_of, submit_commit
-from tests.plugins.cluster import WorkerProcess
-from tests.plugins.object_stores import make_store
+from support.plugins.cluster import WorkerProcess
+from support.plugins.object_stores import make_store
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -97,6 +97,7 @@ def plant_record(store: CheckpointStore, run: str, payload: bytes, full_size: in
     return ident
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("kind", ["file", "s3", "gcs"])
 def test_a_head_copy_bomb_is_refused_in_bounded_memory_and_the_chain_serves(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path, gib_bomb: bytes) -> None:
@@ -128,6 +129,7 @@ def test_a_head_copy_bomb_is_refused_in_bounded_memory_and_the_chain_serves(
         assert CheckpointLog(store, "run").record(commit.stdout.strip()).parent == ids[1]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("kind", ["file", "s3", "gcs"])
 def test_an_added_record_whose_payload_is_a_bomb_fails_alone(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path, gib_bomb: bytes) -> None:
@@ -149,6 +151,7 @@ def test_an_added_record_whose_payload_is_a_bomb_fails_alone(
     assert "2 rebuilt" in verify.stdout
 
 
+@pytest.mark.cluster
 def test_the_size_cap_refuses_a_record_that_declares_more_and_a_commit_of_more(
         tmp_path: Path, gib_bomb: bytes) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
@@ -203,6 +206,7 @@ def assert_run_still_served(results: dict[str, subprocess.CompletedProcess[str]]
     assert (tmp_path / "out" / "m_chk00002.h5").read_bytes() == data[1]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("kind", ["file", "memory"])
 def test_a_deeply_nested_json_record_is_reported_and_the_rest_served(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -261,6 +265,7 @@ def unnest(top: Path) -> None:
         os.close(fd)
 
 
+@pytest.mark.cluster
 def test_thousands_of_nested_directories_under_records_are_skipped_with_a_warning(
         tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
@@ -280,6 +285,7 @@ def test_thousands_of_nested_directories_under_records_are_skipped_with_a_warnin
             "subdirectories") in results["verify"].stdout
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("kind", ["file", "memory"])
 def test_a_name_entry_with_a_component_too_long_for_a_file_system_is_malformed(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
@@ -303,6 +309,7 @@ def test_a_name_entry_with_a_component_too_long_for_a_file_system_is_malformed(
             results["restore"].stderr
 
 
+@pytest.mark.cluster
 def test_a_symlinked_names_directory_is_reported_not_followed(tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
     log, ids, data = delta_chain(store)
@@ -328,6 +335,7 @@ def test_a_symlinked_names_directory_is_reported_not_followed(tmp_path: Path) ->
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.cluster
 def test_names_with_control_characters_are_printed_escaped(tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
     log = CheckpointLog(store, "run")
@@ -431,6 +439,7 @@ def test_get_at_most_reads_a_bounded_prefix_on_every_store(store: CheckpointStor
         store.get_at_most("a/missing", 10)
 
 
+@pytest.mark.cluster
 def test_huge_planted_records_and_payloads_are_refused_without_being_read(
         tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
@@ -456,6 +465,7 @@ def test_huge_planted_records_and_payloads_are_refused_without_being_read(
     assert verify.returncode == 1 and peak < RSS_BOUND, (peak, verify.stdout)
 
 
+@pytest.mark.cluster
 def test_gc_deletes_a_huge_planted_orphan_without_reading_it(tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
     log, ids, data = delta_chain(store)

@@ -19,7 +19,7 @@ from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 from chkq.stores.faults import FaultyStore
 from chkq.workers.cli import main as chkq_main
-from tests.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET
 
 TIMEOUT = 120
 
@@ -49,6 +49,7 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 # names ----------------------------------------------------------------------
 
 
+@pytest.mark.cluster
 def test_log_commit_of_identical_bytes_under_two_names_restores_both(tmp_path: Path) -> None:
     """``chkq log commit`` (in process, no cluster): both names come back, byte-identical,
     and each commit's annotations are kept in its own entry."""
@@ -121,6 +122,7 @@ def test_format_1_logs_still_restore(tmp_path: Path) -> None:
     assert view.verify(read_data=True).ok
 
 
+@pytest.mark.cluster
 def test_restore_filters_by_model_for_every_entry(tmp_path: Path) -> None:
     """Files committed with ``chkq log commit`` (no --model) belong to the model their
     name says; a model that matches nothing is an error and writes nothing."""
@@ -151,6 +153,7 @@ READ_COMMANDS = [["list"], ["heads"], ["lineage", "abcdef"], ["verify"],
                  ["pull", "abcdef", "-o", "OUT"], ["restore", "OUT"]]
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0])
 def test_read_commands_on_a_missing_store_write_nothing_and_fail(
         tmp_path: Path, command: list[str]) -> None:
@@ -165,6 +168,7 @@ def test_read_commands_on_a_missing_store_write_nothing_and_fail(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0])
 def test_read_commands_on_an_unknown_run_fail(tmp_path: Path, command: list[str]) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
@@ -177,6 +181,8 @@ def test_read_commands_on_an_unknown_run_fail(tmp_path: Path, command: list[str]
     assert sorted(p for p in (tmp_path / "store").rglob("*")) == before
 
 
+@pytest.mark.cluster
+@pytest.mark.integration
 def test_read_commands_on_cloud_stores_fail_clearly(request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("s3_endpoint")
     request.getfixturevalue("gcs_endpoint")
@@ -194,6 +200,7 @@ def test_read_commands_on_cloud_stores_fail_clearly(request: pytest.FixtureReque
 # malformed records ------------------------------------------------------------
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("store", ["file", "s3"], indirect=True)
 def test_a_malformed_record_is_reported_and_the_rest_lists_and_restores(
         store: CheckpointStore, tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from chkq.config.celery_app import get_app
@@ -20,7 +19,8 @@ from chkq.log import CheckpointLog
 from chkq.log.transfer import CommitOptions
 from chkq.stores import open_store
 from chkq.workers.commit_client import record_of, submit_commit
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.helpers import checkpoint_series, payload_keys
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 120
 
@@ -29,25 +29,8 @@ def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def checkpoint_series(directory: Path, count: int, size: int = 1 << 20, seed: int = 1
-                      ) -> list[Path]:
-    """``count`` checkpoint-like files, each a 1% scattered change of the one before."""
-    rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, size, dtype=np.uint8)
-    paths = []
-    directory.mkdir(parents=True, exist_ok=True)
-    for i in range(count):
-        if i:
-            where = rng.integers(0, size, size // 100)
-            data[where] = rng.integers(0, 256, len(where), dtype=np.uint8)
-        path = directory / f"state_{i:03d}.bin"
-        path.write_bytes(data.tobytes())
-        paths.append(path)
-    return paths
 
 
-def payload_keys(store_url: str, run: str) -> set[str]:
-    return set(open_store(store_url).list(f"runs/{run}/payloads/"))
 
 
 def referenced_payloads(log: CheckpointLog) -> set[str]:
@@ -102,7 +85,7 @@ def test_commit_to_s3_through_a_briefly_unreachable_endpoint(
     env = {"AWS_ENDPOINT_URL": s3_proxy.url,  # type: ignore[attr-defined]
            "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
            "AWS_DEFAULT_REGION": "us-east-1"}
-    from tests.plugins.object_stores import BUCKET
+    from support.plugins.object_stores import BUCKET
 
     url = f"s3://{BUCKET}/t-{os.getpid()}-{tmp_path.name}"
     with consumers_paused(worker, COMMIT_QUEUE):
@@ -129,6 +112,7 @@ def chkq(*args: str, broker: bool = False) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.cluster
 def test_log_cli_on_the_embedded_cluster(tmp_path: Path) -> None:
     """``chkq log`` end to end with no broker configured (embedded cluster)."""
     paths = checkpoint_series(tmp_path / "run", 3)
@@ -163,6 +147,7 @@ def test_log_cli_on_the_embedded_cluster(tmp_path: Path) -> None:
     assert usage.returncode == 2
 
 
+@pytest.mark.cluster
 def test_gc_removes_only_payloads_left_by_a_crashed_committer(tmp_path: Path) -> None:
     url = f"file://{tmp_path / 'store'}"
     paths = checkpoint_series(tmp_path / "run", 2)

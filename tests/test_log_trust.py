@@ -28,7 +28,7 @@ from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.watcher import Watcher
 from chkq.workers.cli import main as chkq_main
 from chkq.workers.watch import committed_names
-from tests.plugins.users import LocalUser
+from support.plugins.users import LocalUser
 
 FAR_FUTURE = 4102444800.0  # 2100-01-01
 REAL = b"the victim's real checkpoint 3" * 1000

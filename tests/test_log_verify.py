@@ -141,6 +141,7 @@ def chkq(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("store", ["file"], indirect=True)
 def test_verify_command(store: CheckpointStore) -> None:
     log, ids = chain(store)

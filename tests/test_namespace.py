@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from chkq.demo import RunShape, make_run
-from tests.plugins.cluster import WorkerProcess
+from support.plugins.cluster import WorkerProcess
 
 PROGRAM = textwrap.dedent("""
     import sys
@@ -98,3 +101,14 @@ def test_no_module_imports_bare_tasks_workers_or_config() -> None:
     offenders = {str(path.relative_to(root)): found for path in files
                  if (found := bare_imports(path.read_text(), str(path)))}
     assert offenders == {}, "import these through chkq. (chkq.tasks, chkq.workers, chkq.config)"
+
+
+def test_tests_import_chkq_as_users_do() -> None:
+    """pytest leaves the checkout off sys.path: the bare names a checkout has do not import."""
+    root = Path(__file__).resolve().parents[1]
+    assert str(root) not in [os.path.abspath(p or os.curdir) for p in sys.path]
+    for name in sorted(BARE_NAMES):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(name)
+    protocol = importlib.import_module("chkq.tasks.protocol")
+    assert Path(protocol.__file__).resolve() == root / "tasks" / "protocol.py"

@@ -32,8 +32,8 @@ from chkq.tasks.protocol import task_id
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
 from chkq.workers.request import requeue_delay
-from tests.helpers import assert_consolidated
-from tests.plugins.cluster import WorkerProcess
+from support.helpers import assert_consolidated
+from support.plugins.cluster import WorkerProcess
 
 MiB = 1024 * 1024
 

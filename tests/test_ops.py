@@ -30,8 +30,8 @@ import pytest
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis, free_port
 from chkq.workers.launch import launch_worker
-from tests import helpers
-from tests.helpers import assert_consolidated, corrupt_chunk, snapshot
+from support import helpers
+from support.helpers import assert_consolidated, corrupt_chunk, snapshot
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 AUTH = ("ops", "s3cret-pass")
@@ -231,6 +231,7 @@ def test_plan_and_link_end_lines_carry_bytes(
         assert end and re.search(r"\bbytes=\d+", end.group(1)), (task, end)
 
 
+@pytest.mark.cluster
 def test_status_lists_recent_jobs(
     cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]],
 ) -> None:
@@ -245,6 +246,7 @@ def test_status_lists_recent_jobs(
     assert re.search(r"copy\s+\d+ tasks: \d+ done", shown.stdout), shown.stdout
 
 
+@pytest.mark.cluster
 def test_status_names_the_failing_plan_and_its_error(cluster: Cluster, tmp_path: Path) -> None:
     make_run(tmp_path, "run", RunShape(checkpoints=2, trials=50))
     (tmp_path / "run_chk00003.h5").write_bytes(b"this is not HDF5\n" * 10)
@@ -261,6 +263,7 @@ def test_status_names_the_failing_plan_and_its_error(cluster: Cluster, tmp_path:
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.cluster
 def test_status_names_the_failing_copy_task_and_its_error(cluster: Cluster,
                                                           tmp_path: Path) -> None:
     # Files above the scan's digest size: the damage is found by the copy, not the plan.
@@ -282,6 +285,7 @@ def test_status_names_the_failing_copy_task_and_its_error(cluster: Cluster,
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.cluster
 def test_status_of_an_unknown_job_is_an_error(cluster: Cluster) -> None:
     shown = cluster.chkq("status", "0123456789abcdef0123456789abcdef")
     assert shown.returncode == 1
@@ -290,6 +294,7 @@ def test_status_of_an_unknown_job_is_an_error(cluster: Cluster) -> None:
     assert shown.returncode == 1 and shown.stderr.startswith("error: invalid job id")
 
 
+@pytest.mark.cluster
 def test_flower_refuses_to_listen_beyond_loopback_without_auth(cluster: Cluster) -> None:
     port = str(free_port())
     for address in ("0.0.0.0", "::", "", "192.0.2.1", "example.org"):
@@ -303,6 +308,7 @@ def test_flower_refuses_to_listen_beyond_loopback_without_auth(cluster: Cluster)
     assert bad.returncode == 1 and bad.stderr.startswith("error: CHKQ_FLOWER_BASIC_AUTH")
 
 
+@pytest.mark.cluster
 def test_consolidate_on_a_cluster_prints_the_output_and_nothing_else(
         cluster: Cluster, tmp_path: Path) -> None:
     """Exit 0, the path on stdout, and not a byte on stderr (no AsyncResult.__del__ noise).
@@ -319,6 +325,7 @@ def test_consolidate_on_a_cluster_prints_the_output_and_nothing_else(
     assert_consolidated(tmp_path / "run.h5", files)
 
 
+@pytest.mark.cluster
 def test_status_takes_an_id_prefix_and_shows_what_the_job_wrote(
         cluster: Cluster, tmp_path: Path) -> None:
     """``chkq status`` with the first digits of an id; a finished job's rows, size, time, and
@@ -344,6 +351,7 @@ def test_status_takes_an_id_prefix_and_shows_what_the_job_wrote(
     assert cancel.stderr.startswith(f"error: job {job} already finished"), cancel.stderr
 
 
+@pytest.mark.cluster
 def test_status_into_a_closed_pipe_says_nothing(
         cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]]) -> None:
     """``chkq status --json | true`` (a reader that is gone): no ``Broken pipe`` message."""
@@ -355,6 +363,7 @@ def test_status_into_a_closed_pipe_says_nothing(
         assert done.stderr == "", (args, done.stderr)
 
 
+@pytest.mark.cluster
 def test_workers_log_user_errors_as_one_warning_line(cluster: Cluster, tmp_path: Path) -> None:
     """A refused run (not HDF5) is a WARNING in the worker's log, without a traceback."""
     make_run(tmp_path, "run", RunShape(checkpoints=1, trials=20))

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from chkq.demo import RunShape, make_run
-from tests.helpers import snapshot, wait_for, write_lease
+from support.helpers import snapshot, wait_for, write_lease
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 
@@ -197,6 +197,7 @@ def checkpoints_only(run_dir: Path, before: dict[str, str]) -> None:
     assert snapshot(run_dir) == before, "the run directory changed"
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_ends_the_command_and_everything_it_started(
         run_dir: Path, tmp_path: Path, sig: int) -> None:
@@ -218,6 +219,7 @@ def test_a_signal_ends_the_command_and_everything_it_started(
     checkpoints_only(run_dir, before)
 
 
+@pytest.mark.cluster
 def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_path: Path
                                                            ) -> None:
     """SIGKILL: the children die with their parent, and the reaper removes the job's
@@ -237,6 +239,7 @@ def test_sigkill_of_the_command_takes_its_children_with_it(run_dir: Path, tmp_pa
     wait_for(lambda: snapshot(run_dir) == before, 15, "the reaper to remove the temporaries")
 
 
+@pytest.mark.cluster
 def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
         run_dir: Path, tmp_path: Path) -> None:
     """The job fails on the client's side (``--timeout``): exit 1, nothing left.
@@ -273,6 +276,7 @@ def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
     checkpoints_only(run_dir, before)
 
 
+@pytest.mark.cluster
 def test_sigterm_ends_watch_and_its_embedded_cluster(tmp_path: Path) -> None:
     """``chkq watch`` (embedded cluster) stopped by SIGTERM leaves nothing running."""
     run_dir = tmp_path / "run"
@@ -299,6 +303,7 @@ def test_sigterm_ends_watch_and_its_embedded_cluster(tmp_path: Path) -> None:
     assert list(tmp.iterdir()) == []
 
 
+@pytest.mark.cluster
 def test_refusals_need_no_cluster(tmp_path: Path) -> None:
     """What can be refused without a cluster is refused before anything starts.
 

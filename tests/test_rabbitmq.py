@@ -1,7 +1,7 @@
 """RabbitMQ as chkq's broker, with job state in Redis: every job and command on real parts.
 
 Each test gets a vhost of its own on the machine's RabbitMQ
-(:mod:`tests.plugins.rabbitmq`) and the session's private redis-server as
+(:mod:`support.plugins.rabbitmq`) and the session's private redis-server as
 result backend; workers are real ``chkq worker`` processes.
 """
 
@@ -30,12 +30,13 @@ from chkq.stores import open_store
 from chkq.workers.broker import PrivateRedis, free_port
 from chkq.workers.client import ConsolidationJob, JobCancelledError, submit_consolidation
 from chkq.workers.commit_client import submit_commit
-from tests.helpers import assert_consolidated, snapshot, wait_for
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.rabbitmq import Vhost, amqp_vhost
-from tests.test_signing import Secrets, secrets
+from support import fake_simulation
+from support.helpers import assert_consolidated, snapshot, wait_for
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.rabbitmq import Vhost, amqp_vhost
+from support.plugins.signing import Secrets
 
-__all__ = ["amqp_vhost", "secrets"]
+__all__ = ["amqp_vhost"]
 
 CLI = [sys.executable, "-m", "chkq.workers.cli"]
 JOB_SECONDS = 90
@@ -300,8 +301,7 @@ def test_watch_on_rabbitmq(amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
     out_dir = tmp_path / "run"
     out_dir.mkdir()
     store = f"file://{tmp_path / 'store'}"
-    sim = subprocess.Popen([sys.executable, "-m", "tests.fake_simulation", str(out_dir), "sim",
-                            "3", "2", "0.5"])
+    sim = fake_simulation.start(out_dir, "sim", 3, 2, 0.5)
     watch_log = tmp_path / "watch.log"
     with open(watch_log, "wb") as out:
         watcher = subprocess.Popen(

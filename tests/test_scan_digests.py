@@ -95,7 +95,7 @@ def test_a_digest_that_does_not_match_the_file_fails_the_job(tmp_path: Path) -> 
 
 def test_a_damaged_small_file_is_refused_when_planned(tmp_path: Path) -> None:
     """Its scan reads every row (fletcher32 checked): nothing is written at all."""
-    from tests.helpers import corrupt_chunk, snapshot
+    from support.helpers import corrupt_chunk, snapshot
 
     make_run(tmp_path, "run", RunShape(checkpoints=3, trials=50, fletcher32=True,
                                        chunk_rows=16))

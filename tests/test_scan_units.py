@@ -13,7 +13,7 @@ from chkq.tasks.base import deliveries_key
 from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import job_status
 from chkq.workers.client import submit_consolidation
-from tests.helpers import assert_consolidated, snapshot
+from support.helpers import assert_consolidated, snapshot
 
 TIMEOUT = 180
 FILES = SCAN_FILES + 40

@@ -26,8 +26,11 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
-from tests.helpers import assert_consolidated, snapshot, wait_for, write_lease
-from tests.plugins.rabbitmq import Vhost, amqp_vhost
+from support.helpers import assert_consolidated, snapshot, wait_for, write_lease
+from support.plugins.rabbitmq import Vhost, amqp_vhost
+
+#: Every test here kills a process or cuts a server off.
+pytestmark = pytest.mark.fault
 
 __all__ = ["amqp_vhost"]
 
@@ -103,6 +106,8 @@ def cluster_env(request: pytest.FixtureRequest, backend: str) -> dict[str, str]:
     return {**os.environ, **LIMITS, "CHKQ_BROKER_URL": broker, "CHKQ_RESULT_BACKEND": backend}
 
 
+@pytest.mark.cluster
+@pytest.mark.integration
 def test_status_shows_a_copy_whose_worker_was_killed_and_when_it_runs_again(
         cluster_env: dict[str, str], tmp_path: Path) -> None:
     env = cluster_env

@@ -3,7 +3,7 @@
 The shipped contract suite, :class:`chkq.stores.testing.StoreTests`, runs on
 the in-memory, local directory, S3 (moto's HTTP server) and GCS
 (fake-gcs-server) stores; the tests after it are each backend's own.  Network faults are injected
-for real with :class:`tests.plugins.object_stores.FaultProxy`.
+for real with :class:`support.plugins.object_stores.FaultProxy`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from chkq.stores import (
 )
 from chkq.stores.faults import FaultyStore
 from chkq.stores.testing import StoreTests
-from tests.plugins.object_stores import BUCKET, BlackHole, FaultProxy, make_store
+from support.plugins.object_stores import BUCKET, BlackHole, FaultProxy, make_store
+from support.races import put_if_absent_race
 
 MiB = 1 << 20
 
@@ -45,6 +46,7 @@ class TestLocalDirectoryStore(StoreTests):
         return LocalDirectoryStore(tmp_path / "store")
 
 
+@pytest.mark.integration
 class TestS3Store(StoreTests):
     """Against moto's HTTP server."""
 
@@ -103,6 +105,7 @@ class TestS3Store(StoreTests):
         assert len(pages) == 5
 
 
+@pytest.mark.integration
 class TestGCSStore(StoreTests):
     """Against fake-gcs-server."""
 
@@ -185,12 +188,9 @@ def test_file_store_hides_temporaries_during_a_write(
         store.put(".chkq-tmp/x", b"")
 
 
-def _race(url: str, worker: int, keys: list[str], barrier: object) -> list[bool]:
-    store = open_store(url)
-    barrier.wait()  # type: ignore[attr-defined]
-    return [store.put_if_absent(key, f"writer {worker}".encode()) for key in keys]
 
 
+@pytest.mark.cluster
 def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> None:
     """Several processes race to create the same keys: exactly one wins each.
 
@@ -204,7 +204,7 @@ def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> No
         results_t: list[list[bool]] = [[] for _ in range(writers)]
 
         def run(i: int) -> None:
-            results_t[i] = _race(store.url, i, keys, barrier_t)
+            results_t[i] = put_if_absent_race(store.url, i, keys, barrier_t)
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(writers)]
         for thread in threads:
@@ -218,7 +218,7 @@ def test_put_if_absent_one_winner_across_processes(store: CheckpointStore) -> No
             barrier = manager.Barrier(writers)
             with context.Pool(writers) as pool:
                 jobs = [(store.url, i, keys, barrier) for i in range(writers)]
-                results = pool.starmap(_race, jobs)
+                results = pool.starmap(put_if_absent_race, jobs)
     for index, key in enumerate(keys):
         winners = [w for w in range(writers) if results[w][index]]
         assert len(winners) == 1, (key, winners)
@@ -239,6 +239,7 @@ def test_open_store_urls(tmp_path: Path) -> None:
             open_store(bad)
 
 
+@pytest.mark.integration
 def test_cloud_urls(request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("s3_endpoint")
     request.getfixturevalue("gcs_endpoint")
@@ -475,6 +476,7 @@ def test_cli_store_timeouts_are_configurable(black_hole: BlackHole) -> None:
     assert "retry budget 1 s" in done.stderr
 
 
+@pytest.mark.cluster
 def test_chkq_does_not_import_pytest() -> None:
     """The contract suite is shipped in chkq but pytest is only a test dependency."""
     code = ("import sys, chkq, chkq.stores, chkq.stores.s3, chkq.stores.gcs, chkq.log, "
@@ -635,6 +637,8 @@ time.sleep(60)
 
 
 @pytest.mark.parametrize("store", ["file", "s3", "gcs"], indirect=True)
+@pytest.mark.cluster
+@pytest.mark.fault
 def test_a_killed_publisher_leaves_a_stray_upload_that_abort_removes(
         store: CheckpointStore) -> None:
     import signal

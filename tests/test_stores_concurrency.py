@@ -1,7 +1,7 @@
 """Eight writer processes commit one history to one log on each bucket store.
 
 S3 runs against moto's HTTP server and GCS against fake-gcs-server (see
-:mod:`tests.plugins.object_stores`); each writer is a separate process with
+:mod:`support.plugins.object_stores`); each writer is a separate process with
 its own client and connection pool, started together at a barrier, so
 that conditional creates of the same records and payloads really race.
 """
@@ -15,8 +15,9 @@ import pytest
 
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
-from tests.plugins.object_stores import make_store
-from tests.test_log import _assert_consistent, _commit_sequence
+from support.helpers import assert_log_consistent
+from support.plugins.object_stores import make_store
+from support.races import commit_sequence
 
 WRITERS = 8
 COMMITS = 100
@@ -33,12 +34,12 @@ def test_eight_processes_commit_one_history_to_a_bucket(
     with context.Manager() as manager:
         barrier = manager.Barrier(WRITERS)
         with context.Pool(WRITERS) as pool:
-            results = pool.starmap(_commit_sequence, [(url, 4096, COMMITS, barrier)] * WRITERS)
+            results = pool.starmap(commit_sequence, [(url, 4096, COMMITS, barrier)] * WRITERS)
     assert all(result == results[0] for result in results)
     assert len(set(results[0])) == COMMITS
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(results[0])
     assert [r.id for r in log.heads()] == [results[0][-1]]
     assert [r.id for r in log.lineage(results[0][-1])] == results[0]
-    _assert_consistent(log)
+    assert_log_consistent(log)
     assert set(log.store.list("runs/shared/heads/")) <= {log.head_copy_key(results[0][-1])}

@@ -26,7 +26,7 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 60
 SECRET = b"the worker must neither read this into a log nor delete it"
@@ -233,26 +233,33 @@ def test_links_planted_in_a_local_store_are_not_followed(
     assert_alive(worker)
 
 
-def test_write_durably_never_writes_through_a_planted_temporary(tmp_path: Path) -> None:
-    """A link planted at the temporary name ``write_durably`` used (pid-based) is inert."""
-    from chkq.fsutil import write_durably
+def test_a_durable_write_never_writes_through_a_planted_temporary(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A link planted at the next temporary's name is left alone; the write takes another."""
+    import itertools
+    import secrets
+
+    from chkq import fsutil
 
     victim = tmp_path / "victim.txt"
     victim.write_bytes(SECRET)
-    target = tmp_path / "plan.json"
-    for name in (f".plan.json.{os.getpid()}.tmp", ".plan.json.tmp"):
-        (tmp_path / name).symlink_to(victim)
-    write_durably(target, b"{}")
-    write_durably(tmp_path / "other.json", b"[]", exclusive=True)
+    names = itertools.chain(["planted", "planted"], (f"n{i}" for i in itertools.count()))
+    monkeypatch.setattr(secrets, "token_hex", lambda _: next(names))
+    (tmp_path / ".chkq-planted.tmp").symlink_to(victim)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fsutil.install(dir_fd, "plan.json", b"{}")
+        with pytest.raises(FileExistsError):
+            fsutil.install(dir_fd, "plan.json", b"[]")
+    finally:
+        os.close(dir_fd)
     assert victim.read_bytes() == SECRET
-    assert not target.is_symlink() and target.read_bytes() == b"{}"
-    assert (tmp_path / "other.json").read_bytes() == b"[]"
-    leftovers = {p.name for p in tmp_path.iterdir()} - {
-        "victim.txt", "plan.json", "other.json", f".plan.json.{os.getpid()}.tmp",
-        ".plan.json.tmp"}
-    assert leftovers == set()
+    assert (tmp_path / "plan.json").read_bytes() == b"{}"
+    assert {p.name for p in tmp_path.iterdir()} == {"victim.txt", "plan.json",
+                                                    ".chkq-planted.tmp"}
 
 
+@pytest.mark.cluster
 def test_reading_a_missing_store_creates_nothing(tmp_path: Path) -> None:
     """Opening, listing or reading a missing local store writes nothing anywhere."""
     missing = tmp_path / "no" / "such" / "dir"

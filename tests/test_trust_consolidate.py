@@ -21,8 +21,8 @@ from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
-from tests.helpers import snapshot
-from tests.plugins.cluster import WorkerProcess, consumers_paused
+from support.helpers import snapshot
+from support.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 60
 

@@ -41,14 +41,15 @@ from chkq.consolidation.plan import Plan
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
+from chkq.lru import LRU
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port
 from chkq.workers.client import ConsolidationJob
-from tests.helpers import snapshot
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.users import LocalUser
-from tests.test_signing import SignedWorker
+from support.helpers import snapshot
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.signing import SignedWorker
+from support.plugins.users import LocalUser
 
 TIMEOUT = 120
 RUN, MODEL = "run", "run"
@@ -87,7 +88,7 @@ def _self_signed(directory: Path, name: str) -> dict[str, str]:
 def fake(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
     server = fakeredis.FakeRedis()
     monkeypatch.setattr(protocol, "_client", lambda: server)
-    monkeypatch.setattr(protocol, "_PLANS", type(protocol._PLANS)())
+    monkeypatch.setattr(protocol, "_PLANS", LRU(protocol.PLAN_CACHE))
     return server
 
 

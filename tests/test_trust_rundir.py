@@ -38,9 +38,9 @@ from chkq.errors import CheckpointChangedError
 from chkq.rundir import RunDir
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
-from tests.helpers import assert_consolidated, snapshot, wait_for
-from tests.plugins.cluster import WorkerProcess, consumers_paused
-from tests.plugins.users import LocalUser
+from support.helpers import assert_consolidated, snapshot, wait_for
+from support.plugins.cluster import WorkerProcess, consumers_paused
+from support.plugins.users import LocalUser
 
 MODEL = "run"
 SECRET = "victim-private-attribute"

@@ -34,9 +34,9 @@ from chkq.errors import (
 )
 from chkq.tasks.protocol import JobStatus, consolidation_signature, record_submitted
 from chkq.workers.client import ConsolidationJob, ConsolidationWarning, submit_consolidation
-from tests.helpers import assert_consolidated, snapshot
-from tests.plugins.cluster import WorkerProcess
-from tests.plugins.users import LocalUser
+from support.helpers import assert_consolidated, snapshot
+from support.plugins.cluster import WorkerProcess
+from support.plugins.users import LocalUser
 
 TIMEOUT = 180
 
@@ -104,6 +104,7 @@ def test_each_common_mistake_is_a_chkq_error_and_its_builtin_on_a_cluster(
         assert snapshot(tmp_path) == before, case
 
 
+@pytest.mark.cluster
 def test_each_common_mistake_is_a_chkq_error_on_the_embedded_cluster(tmp_path: Path) -> None:
     """``chkq.consolidate_checkpoints`` with no broker, as the README's Python example."""
     cases = {case: [str(x) for x in mistake(tmp_path, case)] for case in MISTAKES}
@@ -128,6 +129,7 @@ def test_each_common_mistake_is_a_chkq_error_on_the_embedded_cluster(tmp_path: P
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize("case", sorted(MISTAKES))
 def test_each_common_mistake_on_the_command_line(tmp_path: Path, case: str) -> None:
     """One ``error:`` line naming the thing at fault, exit 1, nothing touched."""
@@ -183,6 +185,7 @@ def gap_run(tmp_path: Path) -> tuple[Path, list[Path]]:
     return run, [f for f in files if f.exists()]
 
 
+@pytest.mark.cluster
 def test_a_gap_is_refused_naming_the_missing_numbers_and_cleanup_deletes_nothing(
         tmp_path: Path) -> None:
     run, _ = gap_run(tmp_path)
@@ -194,6 +197,7 @@ def test_a_gap_is_refused_naming_the_missing_numbers_and_cleanup_deletes_nothing
     assert snapshot(run) == before
 
 
+@pytest.mark.cluster
 def test_allow_gaps_consolidates_the_rest_with_a_warning(tmp_path: Path) -> None:
     run, files = gap_run(tmp_path)
     done = cli("consolidate", "run", "--out-dir", str(run), "--allow-gaps", "--workers", "1")
@@ -244,6 +248,7 @@ def test_a_gap_in_a_run_scanned_in_parallel(worker: WorkerProcess, tmp_path: Pat
 # ------------------------------------------------------------------ demo
 
 
+@pytest.mark.cluster
 def test_demo_refuses_to_overwrite_and_its_threads_have_rows(tmp_path: Path) -> None:
     made = cli("demo", str(tmp_path))
     assert made.returncode == 0, made.stderr
@@ -298,6 +303,7 @@ def test_disk_full_names_the_file_and_the_filesystem(worker: WorkerProcess,
     assert snapshot(small_disk) == before
 
 
+@pytest.mark.cluster
 def test_disk_full_on_the_command_line(small_disk: Path) -> None:
     make_run(small_disk, "run", FULL_RUN)
     before = snapshot(small_disk)
@@ -343,7 +349,8 @@ def test_read_only_output_directory_is_refused_before_any_cluster_starts(
 
 
 def test_status_columns_stay_aligned_for_every_state() -> None:
-    from chkq.workers.status import _when, format_recent
+    from chkq.tasks.protocol import when as _when
+    from chkq.workers.status import format_recent
 
     statuses = [JobStatus(f"{n:032x}", state, phase, model="run", out_dir="/r", submitted=0.0)
                 for n, (state, phase) in enumerate([

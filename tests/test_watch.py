@@ -15,8 +15,9 @@ import numpy as np
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from chkq.workers.client import submit_consolidation
-from tests.helpers import assert_consolidated
-from tests.plugins.cluster import WorkerProcess
+from support import fake_simulation
+from support.helpers import assert_consolidated
+from support.plugins.cluster import WorkerProcess
 
 TIMEOUT = 120
 
@@ -42,8 +43,7 @@ def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reprod
     out_dir = tmp_path / "run"
     out_dir.mkdir()
     store = f"file://{tmp_path / 'store'}"
-    sim = subprocess.Popen([sys.executable, "-m", "tests.fake_simulation", str(out_dir), "sim",
-                            "4", "2", "0.8"])
+    sim = fake_simulation.start(out_dir, "sim", 4, 2, 0.8)
     log_path = tmp_path / "watch.log"
     watcher = start_watch(out_dir, store, sim.pid, log_path)
     deadline = time.monotonic() + TIMEOUT

@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
@@ -114,22 +115,35 @@ def say(message: str, stream: TextIO | None = None) -> None:
 
 
 class ProgressLine:
-    """One self-rewriting line of progress on a terminal; silent elsewhere."""
+    """One self-rewriting line of progress on a terminal; silent elsewhere.
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
+    Called with a job's :class:`Progress` (``chkq consolidate``), or given a
+    line of its own with :meth:`show` (``chkq log verify``); lines come at
+    most every ``interval`` seconds, and the last always.
+    """
+
+    def __init__(self, stream: TextIO = sys.stderr, interval: float = 0.0) -> None:
         self.stream = stream
         self.enabled = stream.isatty()
         self.width = 0
+        self.interval = interval
+        self.last = 0.0
 
     def __call__(self, progress: Progress) -> None:
-        if not self.enabled:
-            return
         total = progress.total
         if total:
             line = (f"{progress.phase}: copied {progress.copied:,}/{total:,} rows, "
                     f"verified {progress.verified:,}/{total:,} rows")
         else:
             line = f"{progress.phase}..."
+        self.show(line)
+
+    def show(self, line: str, final: bool = True) -> None:
+        """Rewrite the line as ``line``; one that is not ``final`` may be skipped (throttled)."""
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < self.interval):
+            return
+        self.last = now
         self.width = max(self.width, len(line))
         try:
             print("\r" + line.ljust(self.width), end="", file=self.stream, flush=True)

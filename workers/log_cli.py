@@ -23,7 +23,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from chkq.log.transfer import (
 )
 from chkq.stores import open_store
 from chkq.stores.base import StoreTimeouts, overall_budget
+from chkq.workers.cli import ProgressLine
 
 
 class CommandError(ChkqError):
@@ -222,28 +222,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Progress:
-    """One self-rewriting progress line on a terminal (stderr); silent elsewhere."""
-
-    def __init__(self) -> None:
-        self.enabled = sys.stderr.isatty()
-        self.width = 0
-        self.last = 0.0
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (now - self.last < 0.1 and done != total):
-            return
-        self.last = now
-        line = f"verify: {phase} {done}/{total}"
-        self.width = max(self.width, len(line))
-        print("\r" + line.ljust(self.width), end="", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.enabled and self.width:
-            print("\r" + " " * self.width + "\r", end="", file=sys.stderr, flush=True)
-
-
 def counted(count: int, singular: str, plural: str | None = None) -> str:
     """``1 head copy``, ``2 head copies``: a count with its noun in the right number."""
     return f"{count:,} {singular if count == 1 else plural or singular + 's'}"
@@ -252,11 +230,12 @@ def counted(count: int, singular: str, plural: str | None = None) -> str:
 @_clean_errors
 def cmd_verify(args: argparse.Namespace) -> int:
     log = _existing(args)
-    progress = _Progress()
+    line = ProgressLine(interval=0.1)
     try:
-        report = log.verify(read_data=args.read_data, progress=progress)
+        report = log.verify(read_data=args.read_data, progress=lambda phase, done, total:
+                            line.show(f"verify: {phase} {done}/{total}", final=done == total))
     finally:
-        progress.close()
+        line.close()
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -27,7 +27,6 @@ status`` shows.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import time
@@ -48,12 +47,6 @@ MAX_LISTED = 10
 
 #: Seconds ``chkq status`` waits for the workers running a job's tasks to answer.
 LIVENESS_TIMEOUT = 1.5
-
-
-def _when(timestamp: float | None) -> str:
-    if timestamp is None:
-        return "?"
-    return datetime.datetime.fromtimestamp(timestamp).strftime("%Y-%m-%d %H:%M:%S")
 
 
 def _summary(units: list[UnitState]) -> str:
@@ -96,11 +89,13 @@ def _unit_line(unit: UnitState) -> str:
 
 def format_job(status: JobStatus) -> str:
     """The detailed, multi-line view of one job."""
+    from chkq.tasks.protocol import when
+
     copied, verified, total = status.rows
     lines = [f"job {status.job}: {status.state} ({status.phase})"]
     if status.model:
         lines.append(f"  model {status.model!r} in {status.out_dir}, "
-                     f"submitted {_when(status.submitted)}")
+                     f"submitted {when(status.submitted)}")
     if status.output:
         lines.append(f"  output {status.output}")
     if status.rows_written is not None:
@@ -112,7 +107,7 @@ def format_job(status: JobStatus) -> str:
     for warning in status.warnings:
         lines.append(f"  warning: {warning}")
     if status.cancelled is not None:
-        lines.append(f"  cancelled {_when(status.cancelled)}")
+        lines.append(f"  cancelled {when(status.cancelled)}")
     if total:
         lines.append(f"  rows copied {copied:,}/{total:,}, verified {verified:,}/{total:,}")
     for step in STEPS:
@@ -145,6 +140,8 @@ def format_job(status: JobStatus) -> str:
 
 def format_recent(statuses: list[JobStatus]) -> str:
     """One line per job, newest first."""
+    from chkq.tasks.protocol import when
+
     if not statuses:
         return "no recent jobs"
     state_width = max(len("STATE"), *(len(s.state) for s in statuses))
@@ -168,7 +165,7 @@ def format_recent(statuses: list[JobStatus]) -> str:
             detail += (", " if detail else "") + f"{lost} tasks on a gone worker"
         where = f"{s.model} in {s.out_dir}" if s.model else ""
         lines.append(f"{s.job:<32}  {s.state:<{state_width}} {s.phase:<{phase_width}} "
-                     f"{_when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
+                     f"{when(s.submitted):<19}  {where}" + (f": {detail}" if detail else ""))
     return "\n".join(lines)
 
 
@@ -256,6 +253,7 @@ def _redelivery(units: list[UnitState]) -> None:
     """
     from chkq.config.celery_app import get_app, get_settings
     from chkq.config.settings import AMQP_SCHEMES, broker_scheme
+    from chkq.tasks.protocol import when
 
     settings = get_settings()
     if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
@@ -282,9 +280,9 @@ def _redelivery(units: list[UnitState]) -> None:
             unit.redelivered_by = by
             timeout = f"the broker's visibility timeout, {settings.visibility_timeout} s"
             unit.redelivery = (
-                f"redelivered by {_when(by)}, in ~{round(by - now)} s ({timeout}, swept by a "
+                f"redelivered by {when(by)}, in ~{round(by - now)} s ({timeout}, swept by a "
                 "running worker)" if by > now else
-                f"overdue since {_when(by)} ({timeout}): the next worker to start redelivers it")
+                f"overdue since {when(by)} ({timeout}): the next worker to start redelivers it")
         else:
             unit.redelivery = "its message is neither queued nor held by the broker"
 

@@ -106,8 +106,8 @@ from chkq.log.records import (
 )
 from chkq.log.signing import LogTrust
 from chkq.log.verify import ProgressCallback, VerifyReport
+from chkq.lru import LRU
 from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
-from chkq.stores.cache import ByteLRU
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_GC_AGE", "CheckpointLog"]
 
@@ -167,7 +167,7 @@ class CheckpointLog:
         self.keys = RunKeys(self.run_id)
         """The run's key layout (:mod:`chkq.log.keys`)."""
         self._root = self.keys.root
-        self._cache = ByteLRU(cache_bytes)
+        self._cache: LRU[str, bytes] = LRU(cache_bytes, len)
         self._records: dict[str, CheckpointRecord] = {}
         self.malformed: dict[str, str] = {}
         """Store keys of records and entries that could not be read, with why

@@ -27,7 +27,6 @@ import functools
 import hashlib
 import os
 import re
-import secrets
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -46,6 +45,7 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     ParentNotCommittedError,
     SourceNotFoundError,
 )
+from chkq.fsutil import install
 from chkq.log import (
     CheckpointLog,
     CheckpointRecord,
@@ -55,7 +55,7 @@ from chkq.log import (
     format_created,
     model_of_name,
 )
-from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
+from chkq.rundir import DIRECTORY, READ_NONBLOCK
 
 __all__ = [
     "CommitOptions",
@@ -73,7 +73,6 @@ __all__ = [
 ]
 
 _DIR_FLAGS = DIRECTORY
-_TEMP_FLAGS = CREATE
 _READ_FLAGS = READ_NONBLOCK
 
 
@@ -349,35 +348,6 @@ def _directory(root_fd: int, parts: list[str], root: Path) -> Iterator[int]:
         os.close(fd)
 
 
-def _write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
-    """A new, randomly named, fsynced file in ``dir_fd`` holding ``data``; its name.
-
-    Created 0600 and given ``mode & 0o777`` before any byte is written.
-    """
-    for _ in range(16):
-        temp = f".chkq-{secrets.token_hex(12)}.tmp"
-        try:
-            fd = os.open(temp, _TEMP_FLAGS, 0o600, dir_fd=dir_fd)
-        except FileExistsError:
-            continue
-        break
-    else:
-        raise OutputExistsError("could not create a temporary file")
-    try:
-        os.fchmod(fd, mode & 0o777)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(temp, dir_fd=dir_fd)
-        raise
-    os.close(fd)
-    return temp
-
-
 def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
     """SHA-256 of the regular file ``name`` in ``dir_fd`` (None if missing); links refused."""
     try:
@@ -395,6 +365,26 @@ def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
         while block := fh.read(1 << 24):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _put(dir_fd: int, name: str, shown: str, data: bytes, wanted: str, mode: int, *,
+         force: bool = False, hint: str = "",
+         refusal: type[FileExistsError] = OutputExistsError) -> bool:
+    """Install ``data`` (checkpoint id ``wanted``) at ``name``; False if it was already there.
+
+    A file already at ``name`` with the same bytes is kept; one with other
+    bytes, a link or not a regular file is refused (``refusal`` naming
+    ``shown``), unless ``force`` renames over it.
+    """
+    if not force and _digest_at(dir_fd, name, shown) == wanted:
+        return False
+    try:
+        install(dir_fd, name, data, mode=mode, replace=force)
+    except FileExistsError:
+        if _digest_at(dir_fd, name, shown) == wanted:
+            return False
+        raise refusal(f"{shown!r} exists with other content; not overwritten{hint}") from None
+    return True
 
 
 def write_output(path: str | Path, data: bytes, *, mode: int = 0o600,
@@ -415,29 +405,10 @@ def write_output(path: str | Path, data: bytes, *, mode: int = 0o600,
         file, and ``force`` is not given; the message names it.
     """
     target = Path(path).absolute()
-    wanted = checkpoint_id(data)
     dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        if not force and _digest_at(dir_fd, target.name, str(target)) == wanted:
-            return target
-        temp = _write_temp(dir_fd, data, mode)
-        try:
-            if force:
-                os.replace(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            else:
-                try:
-                    os.link(temp, target.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
-                            follow_symlinks=False)
-                except FileExistsError:
-                    if _digest_at(dir_fd, target.name, str(target)) == wanted:
-                        return target
-                    raise FileExistsError(
-                        f"{str(target)!r} exists with other content; not overwritten "
-                        "(--force replaces it)") from None
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dir_fd)
-        os.fsync(dir_fd)
+        _put(dir_fd, target.name, str(target), data, checkpoint_id(data), mode,
+             force=force, hint=" (--force replaces it)", refusal=FileExistsError)
     finally:
         os.close(dir_fd)
     return target
@@ -563,20 +534,9 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
             result.kept.append(target)
             return target
         data = log.load(entry.id)
-        temp = _write_temp(dir_fd, data, entry.file_mode)
-        try:
-            os.link(temp, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
-                    follow_symlinks=False)
-        except FileExistsError:
-            if _digest_at(dir_fd, parts[-1], str(target)) == entry.id:
-                result.kept.append(target)
-                return target
-            raise OutputExistsError(
-                f"{str(target)!r} exists with other content; not overwritten") from None
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(temp, dir_fd=dir_fd)
-        os.fsync(dir_fd)
+        if not _put(dir_fd, parts[-1], str(target), data, entry.id, entry.file_mode):
+            result.kept.append(target)
+            return target
     result.written.append(target)
     result.bytes_written += len(data)
     return target

@@ -1,12 +1,14 @@
 """A slow slug-like simulation: each checkpoint file stays open for writing a while.
 
-Usage: ``python -m tests.fake_simulation OUT_DIR MODEL CHECKPOINTS WRITERS PAUSE``.
+Usage: ``python tests/support/fake_simulation.py OUT_DIR MODEL CHECKPOINTS WRITERS PAUSE``,
+or :func:`start` from a test.
 Each file is created, filled, flushed, left open for ``PAUSE`` seconds, and
 only then gets ``trials_completed`` and is closed, as slug does.
 """
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,13 @@ def main(out_dir: Path, model: str, checkpoints: int, writers: int, pause: float
                 trial += shape.trials
                 mark_complete(f, trial)
         time.sleep(pause / 2)
+
+
+def start(out_dir: Path, model: str, checkpoints: int, writers: int,
+          pause: float) -> subprocess.Popen[bytes]:
+    """Run :func:`main` in a process of its own (the simulation a watcher follows)."""
+    return subprocess.Popen([sys.executable, __file__, str(out_dir), model, str(checkpoints),
+                             str(writers), str(pause)])
 
 
 if __name__ == "__main__":

@@ -32,16 +32,10 @@ from pathlib import Path
 import pytest
 
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore
+from chkq.workers.broker import free_port
 
 BUCKET = "chkq-test-bucket"
 STORE_KINDS = ["file", "memory", "s3", "gcs"]
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_http(url: str, timeout: float) -> None:

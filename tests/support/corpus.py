@@ -23,7 +23,7 @@ import hdf5plugin  # Blosc, LZ4, Zstd, BZip2 (reading, resizing, writing)
 import numpy as np
 from h5py import h5a, h5d, h5p, h5s, h5t, h5z
 
-CORPUS_DIR = Path(__file__).resolve().parent / "data" / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "corpus"
 
 # Files some corpus files point to (external links, virtual dataset sources):
 # copied next to the checkpoints under their own names (which never match the
@@ -473,8 +473,3 @@ def resolve(case: str, scratch: Path) -> tuple[Path, list[Path]]:
     path = CORPUS_DIR / case
     return path, companions_of(path)
 
-
-def pytest_addoption(parser: object) -> None:
-    """``python -m pytest -p tests.corpus -m corpus --corpus-all``: the whole corpus."""
-    parser.addoption("--corpus-all", action="store_true", default=False,  # type: ignore[attr-defined]
-                     help="run every corpus file (default: a representative subset)")

@@ -1,4 +1,5 @@
-"""Independent checks of a consolidated output, written as a user would check it."""
+"""Independent checks of a consolidated output, written as a user would check it, and the
+files and waits the tests share."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 
 from chkq.consolidation.checkpoint_files import is_extensible
 from chkq.consolidation.h5types import type_key as type_signature
+from chkq.log import CheckpointLog
+from chkq.stores import open_store
 
 T = TypeVar("T")
 
@@ -151,3 +154,35 @@ def write_lease(path: Path) -> Iterator[Lease]:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
         os.close(fd)
         signal.signal(signal.SIGIO, previous)
+
+
+
+def checkpoint_series(directory: Path, count: int, size: int = 1 << 20, seed: int = 1
+                      ) -> list[Path]:
+    """``count`` checkpoint-like files, each a 1% scattered change of the one before."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, size, dtype=np.uint8)
+    paths = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        if i:
+            where = rng.integers(0, size, size // 100)
+            data[where] = rng.integers(0, 256, len(where), dtype=np.uint8)
+        path = directory / f"state_{i:03d}.bin"
+        path.write_bytes(data.tobytes())
+        paths.append(path)
+    return paths
+
+
+def payload_keys(store_url: str, run: str) -> set[str]:
+    """The payload keys of run ``run`` in the store at ``store_url``."""
+    return set(open_store(store_url).list(f"runs/{run}/payloads/"))
+
+
+def assert_log_consistent(log: CheckpointLog) -> None:
+    """One record per checkpoint; every payload referenced; every load verifies."""
+    records = log.manifest()
+    payloads = log.store.list(f"runs/{log.run_id}/payloads/")
+    assert sorted(r.payload for r in records) == payloads
+    for record in records:
+        assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id

@@ -1,0 +1,1 @@
+"""What chkq's tests share: fixtures (``plugins``), run builders and independent checks."""
