@@ -12,8 +12,8 @@ from __future__ import annotations
 import io
 from typing import Any
 
+from chkq.lru import LRU
 from chkq.stores.base import CheckpointStore
-from chkq.stores.cache import ByteLRU
 
 __all__ = ["ObjectFile"]
 
@@ -52,7 +52,7 @@ class ObjectFile(io.RawIOBase):
         self.store, self.key = store, key
         self.size = store.size(key)
         self.block_size = block_size
-        self._blocks = ByteLRU(block_size * cache_blocks)
+        self._blocks: LRU[int, bytes] = LRU(block_size * cache_blocks, len)
         self._position = 0
         self.fetches = 0
         """Ranged reads made so far (for tests and tuning)."""
