@@ -338,7 +338,7 @@ def test_the_server_refuses_clients_without_the_password(password_redis: Passwor
 # ------------------------------------------------------------ the attack, for real
 
 #: The attacker: Redis password, no signing key. It watches ``chkq-jobs``, reads the job's
-#: submission (readable, though sealed), and pre-writes what the issue's attacks wrote.
+#: submission (readable, though sealed), and pre-writes forged records under the job's keys.
 ATTACKER = r'''
 import json, os, sys, time
 import redis
@@ -588,7 +588,7 @@ def test_without_signing_paths_from_records_stay_in_the_run(deployment: Deployme
 
 def test_without_signing_a_run_list_that_omits_checkpoints_is_refused(
         deployment: Deployment) -> None:
-    """No signing: a well-formed run list naming one file of the run (the issue's 1-row
+    """No signing: a well-formed run list naming one file of the run (forged to make a 1-row
     output whose cleanup deleted every checkpoint) is refused once compared with the run."""
     deployment.env = {}
     before = snapshot(deployment.run)
