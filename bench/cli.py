@@ -99,11 +99,23 @@ RUNS: dict[str, RunShape] = {
 SCALE_RUNS = ("big4", "small20k")
 #: The netCDF-4 run: files, records per file, width of the 2-D record variable.
 NC_FILES, NC_RECORDS, NC_COLUMNS, NC_CHUNK = 8, 7888, 1024, 256
+#: The small-chunk gzip run: files, rows per file, and its extensible datasets
+#: (name, dtype, trailing shape, data kind), written with h5py's ``chunks=True``.
+GZ_FILES, GZ_ROWS = 8, 50_000
+GZ_DATASETS: tuple[tuple[str, str, tuple[int, ...], str], ...] = (
+    ("particles/id", "<i8", (), "smooth"),
+    ("particles/time", "<f8", (), "smooth"),
+    ("particles/energy", "<f8", (), "random"),
+    ("particles/pos", "<f8", (3,), "random"),
+    ("particles/flux", "<f8", (16,), "random"),
+    ("particles/spectrum", "<f4", (64,), "smooth"),
+)
 
 #: Contenders of each run (the first is the one warmed up).
 CONTENDERS: dict[str, tuple[str, ...]] = {
     "big": ("cli", "nowait", "inproc", "serial", "cp"),
     "gzip": ("cli", "inproc", "serial"),
+    "gzsmall": ("cli", "serial"),
     "small": ("cli", "nowait", "inproc", "serial", "cp"),
     "netcdf": ("cli", "ncrcat"),
     "big4": ("cli", "serial", "cp"),
@@ -115,6 +127,7 @@ GOALS: list[tuple[str, str, str, float, str]] = [
     ("big", "cli", "serial", 0.35, "uncompressed ~0.5 GB: CLI <= 0.35x serial"),
     ("big", "cli", "cp", 2.0, "uncompressed ~0.5 GB: CLI <= 2x cp -r + sync"),
     ("gzip", "cli", "serial", 0.4, "gzip+shuffle ~0.5 GB: CLI <= 0.4x serial"),
+    ("gzsmall", "cli", "serial", 0.35, "gzip+shuffle, h5py's small chunks: CLI <= 0.35x serial"),
     ("small", "cli", "serial", 0.2, "2,000 one-trial files: CLI <= 0.2x serial"),
     ("netcdf", "cli", "ncrcat", 1.0, "netCDF-4 ~0.5 GB: CLI faster than ncrcat (< 1x)"),
     ("big4", "cli", "serial", 0.35, "(scale) uncompressed ~2 GB: CLI <= 0.35x serial"),
@@ -169,12 +182,53 @@ def make_netcdf_run(run_dir: Path) -> list[Path]:
     return files
 
 
+def make_gzip_small_run(run_dir: Path) -> list[Path]:
+    """Write the small-chunk gzip run as a producer keeping h5py's defaults would.
+
+    Each file holds :data:`GZ_DATASETS`, ``GZ_ROWS`` rows each, created with
+    the rows (``chunks=True``: h5py's automatic chunk shape, a few KiB to a
+    few tens of KiB, tiling the trailing axis of the wider 2-D datasets),
+    gzip level 4 and shuffle; "random" data is uniform floats, "smooth"
+    data a counter, a clock and slowly varying spectra (which compress
+    well). Rows per file are not a multiple of the chunk rows, so most
+    files' chunks do not land whole on the output's chunk grid.
+    """
+    import h5py
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    files, done = [], 0
+    for number in range(1, GZ_FILES + 1):
+        path = run_dir / f"{MODEL}_chk{number:05d}.h5"
+        rows = np.arange(done, done + GZ_ROWS)
+        with h5py.File(path, "w") as f:
+            for name, dtype, trailing, kind in GZ_DATASETS:
+                shape = (GZ_ROWS, *trailing)
+                if kind == "random":
+                    data = rng.random(shape).astype(dtype)
+                elif name.endswith("id"):
+                    data = rows.astype(dtype)
+                elif name.endswith("time"):
+                    data = (rows * 0.125).astype(dtype)
+                else:
+                    wave = np.sin(rows[:, None] / 500.0 + np.arange(trailing[0]) / 8.0)
+                    data = np.round(wave, 3).astype(dtype)
+                f.create_dataset(name, data=data, maxshape=(None, *trailing), chunks=True,
+                                 compression="gzip", compression_opts=4, shuffle=True)
+            done += GZ_ROWS
+            f.attrs["trials_completed"] = np.uint64(done)
+        files.append(path)
+    return files
+
+
 def checkpoint_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob(f"{MODEL}_chk*.h5"))
 
 
 def expected_count(name: str) -> int:
-    return NC_FILES if name == "netcdf" else RUNS[name].checkpoints
+    if name == "netcdf":
+        return NC_FILES
+    return GZ_FILES if name == "gzsmall" else RUNS[name].checkpoints
 
 
 def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
@@ -186,8 +240,12 @@ def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
         return run_dir, files
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.perf_counter()
-    files = make_netcdf_run(run_dir) if name == "netcdf" else make_run(run_dir, MODEL,
-                                                                       RUNS[name])
+    if name == "netcdf":
+        files = make_netcdf_run(run_dir)
+    elif name == "gzsmall":
+        files = make_gzip_small_run(run_dir)
+    else:
+        files = make_run(run_dir, MODEL, RUNS[name])
     marker.touch()
     size = sum(p.stat().st_size for p in files)
     print(f"# generated {name}: {len(files)} files, {size / 1e6:.1f} MB "
@@ -662,7 +720,7 @@ def median(values: list[float]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds per run")
-    parser.add_argument("--runs", default="big,gzip,small,netcdf")
+    parser.add_argument("--runs", default="big,gzip,gzsmall,small,netcdf")
     parser.add_argument("--scale", action="store_true",
                         help="also the big4 (~2 GB) and small20k (20,000 files) runs")
     parser.add_argument("--scale-repeat", type=int, default=1,
@@ -718,6 +776,8 @@ def main(argv: list[str] | None = None) -> int:
                 size = sum(p.stat().st_size for p in files)
                 if name == "netcdf":
                     records = NC_FILES * NC_RECORDS
+                elif name == "gzsmall":
+                    records = GZ_FILES * GZ_ROWS * len(GZ_DATASETS)
                 else:
                     records = RUNS[name].checkpoints * RUNS[name].trials
                 sizes[name] = (len(files), size, records)

@@ -52,6 +52,7 @@ class CopyStats:
     rows: int = 0
     bytes: int = 0
     files: int = 0
+    moved: int = 0
     digests: list[list[int | str]] = field(default_factory=list)
 
 
@@ -291,6 +292,55 @@ def _copy_through_hdf5(plan: Plan, d: DatasetPlan, dsid: h5d.DatasetID, base: in
         writer.write(d, base + first, rows)
 
 
+def same_pipeline(a: h5d.DatasetID, b: h5d.DatasetID) -> bool:
+    """Whether two datasets store chunks alike: same type, chunk shape and filter pipeline.
+
+    The filter pipeline compares every filter's id, flags and stored
+    parameters, in order. With these equal, a chunk's stored bytes and
+    filter mask decode to the same rows in either dataset.
+    """
+    pa, pb = a.get_create_plist(), b.get_create_plist()
+    if pa.get_layout() != h5d.CHUNKED or pb.get_layout() != h5d.CHUNKED:
+        return False
+    if tuple(pa.get_chunk()) != tuple(pb.get_chunk()) or not a.get_type().equal(b.get_type()):
+        return False
+    if pa.get_nfilters() != pb.get_nfilters():
+        return False
+    return all(pa.get_filter(i)[:3] == pb.get_filter(i)[:3] for i in range(pa.get_nfilters()))
+
+
+def moved_rows(d: DatasetPlan, file_index: int, start: int, stop: int) -> int:
+    """End of the output rows from ``start`` on whose chunks file ``file_index`` stores whole.
+
+    ``[start, stop)`` are output rows of that file, ``start`` on the chunk
+    grid. A source chunk lands whole on the output's grid when the file's
+    first output row is on it; the chunks from ``start`` to the last whole
+    one then move unchanged, and so does the file's last, partial chunk if
+    it is the output's last (the rows past the dataset's end are seen by no
+    reader in either file). Returns ``start`` when nothing moves.
+    """
+    per_chunk, base = d.chunk[0], d.offsets[file_index]
+    if base % per_chunk or start % per_chunk:
+        return start
+    if stop == d.total:
+        return stop
+    return start + (stop - start) // per_chunk * per_chunk
+
+
+def chunk_starts(d: DatasetPlan) -> list[tuple[int, ...]]:
+    """Offsets along the trailing axes of each chunk of one row of chunks, row-major."""
+    tile = d.chunk[1:]
+    grid = [math.ceil(t / c) for t, c in zip(d.trailing, tile, strict=True)]
+    return [tuple(c * t for c, t in zip(coords, tile, strict=True)) for coords in np.ndindex(*grid)]
+
+
+def all_chunks_stored(dsid: h5d.DatasetID) -> bool:
+    """Whether every chunk of ``dsid``'s grid is stored (none left to the fill value)."""
+    chunk, shape = dsid.get_create_plist().get_chunk(), dsid.shape
+    return bool(dsid.get_num_chunks() == math.prod(-(-n // c) for n, c in zip(shape, chunk,
+                                                                           strict=True)))
+
+
 def _copy_to_part(
     run: RunDir,
     plan: Plan,
@@ -301,18 +351,25 @@ def _copy_to_part(
 ) -> CopyStats:
     """Write one piece of a ``chunks`` dataset to its part file through HDF5.
 
-    Rows move as bytes of the file type (read and written with the file
-    type as the memory type: nothing is converted, so full-width NULLTERM
-    strings and compound padding bytes survive). The SHA-256 of each
-    file's source rows, as read, goes into the task's result: verification
-    then reads the (compressed) output once and compares digests instead of
-    decoding every source again. Whole chunks of a [shuffle,] deflate
-    dataset are encoded with ISA-L (:mod:`chkq.deflate_chunks`, twenty
-    times HDF5's zlib) and stored as they are; the rest go through HDF5's
-    filters. The template is opened as planned (its stamp checked); the
-    part file is created exclusively through ``run`` (never through a link
-    planted at its name or above it), written through its descriptor and
-    renamed into place.
+    Where a source's chunks land whole on the output's chunk grid
+    (:func:`moved_rows`) and the source stores them like the output (same
+    type, chunk shape and filter pipeline, every chunk stored), they are
+    moved unchanged: stored bytes and filter mask, read and written with
+    ``read_direct_chunk``/``write_direct_chunk``, nothing decoded. Their
+    rows are recorded as ``stored``, so that verification compares the
+    output's stored chunks with the source's. Other rows move as bytes of
+    the file type (read and written with the file type as the memory type:
+    nothing is converted, so full-width NULLTERM strings and compound
+    padding bytes survive), and the SHA-256 of each file's source rows, as
+    read, goes into the task's result: verification then reads the
+    (compressed) output once and compares digests instead of decoding
+    every source again. Whole chunks of a [shuffle,] deflate dataset are
+    encoded with ISA-L (:mod:`chkq.deflate_chunks`, twenty times HDF5's
+    zlib) and stored as they are; the rest go through HDF5's filters. The
+    template is opened as planned (its stamp checked); the part file is
+    created exclusively through ``run`` (never through a link planted at
+    its name or above it), written through its descriptor and renamed into
+    place.
     """
     assert unit.part is not None
     index, start, stop = unit.pieces[0]
@@ -341,6 +398,7 @@ def _copy_to_part(
                           dtype=f"V{d.element_size}")
         encoder = ChunkEncoder.for_dataset(out)
         trailing_zeros = (0,) * len(d.trailing)
+        tiles = chunk_starts(d)
         pending_rows, written = 0, 0
 
         def flush() -> None:
@@ -349,8 +407,8 @@ def _copy_to_part(
             if encoder is not None and written % per_chunk == 0:
                 done = pending_rows // per_chunk * per_chunk
                 for first in range(0, done, per_chunk):
-                    chunk = encoder.encode(buffer[first:first + per_chunk])
-                    out.write_direct_chunk((written + first, *trailing_zeros), chunk)
+                    for where, chunk in encoder.encode_rows(buffer[first:first + per_chunk]):
+                        out.write_direct_chunk((written + first, *where), chunk)
             if pending_rows > done:
                 fspace = out.get_space()
                 shape = (pending_rows - done, *d.trailing)
@@ -359,15 +417,39 @@ def _copy_to_part(
             written += pending_rows
             pending_rows = 0
 
+        def move(source: h5d.DatasetID, first: int, end: int, base: int) -> None:
+            """Move the source's stored chunks of output rows ``[first, end)`` unchanged."""
+            nonlocal written
+            flush()
+            for row in range(first, end, per_chunk):
+                for where in tiles:
+                    mask, data = source.read_direct_chunk((row - base, *where))
+                    out.write_direct_chunk((row - start, *where), data, mask)
+                    stats.moved += len(data)
+            written = end - start
+
         for file_index, file_segments in segments.items():
             fid, src_fd = open_source(run, plan, file_index)
             try:
                 source = h5d.open(fid, d.name.encode())
                 stats.files += 1
+                alike = same_pipeline(source, out) and all_chunks_stored(source)
                 for seg in file_segments:
                     base = d.offsets[file_index]
-                    digest = hashlib.sha256()
                     lo, end = seg.start - base, seg.stop - base
+                    moved_end = moved_rows(d, file_index, seg.start, seg.stop) if alike \
+                        else seg.start
+                    if moved_end > seg.start:
+                        move(source, seg.start, moved_end, base)
+                        stats.digests.append([file_index, seg.start, moved_end, "", "stored"])
+                        lo = moved_end - base
+                        stats.rows = written
+                        if progress:
+                            progress(stats.rows)
+                    if lo == end:
+                        continue
+                    digest = hashlib.sha256()
+                    first_row = lo + base
                     while lo < end:
                         if pending_rows == len(buffer):
                             flush()
@@ -379,7 +461,7 @@ def _copy_to_part(
                         stats.rows = written + pending_rows
                         if progress:
                             progress(stats.rows)
-                    stats.digests.append([file_index, seg.start, seg.stop, digest.hexdigest()])
+                    stats.digests.append([file_index, first_row, seg.stop, digest.hexdigest()])
             finally:
                 fid.close()
                 os.close(src_fd)

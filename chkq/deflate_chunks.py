@@ -15,6 +15,8 @@ mismatch between the rows copied and the rows HDF5 reads back.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,25 +39,32 @@ class ChunkEncoder:
         Whether the pipeline shuffles bytes before deflating.
     level
         The ISA-L level standing for the dataset's deflate level.
+    tile
+        The chunk's shape beyond the first axis (the dataset's trailing
+        shape when chunks span whole rows; smaller when they tile it).
+    trailing
+        The dataset's shape beyond the first axis.
     """
 
     element_size: int
     shuffle: bool
     level: int
+    tile: tuple[int, ...] = ()
+    trailing: tuple[int, ...] = ()
 
     @classmethod
     def for_dataset(cls, dsid: h5d.DatasetID) -> ChunkEncoder | None:
         """The encoder of ``dsid``'s chunks, or None if its pipeline is not [shuffle,] deflate.
 
-        Any other filter (fletcher32, szip, plugins), a deflate level of 0,
-        or chunks that do not span whole rows leave the dataset to HDF5.
+        Any other filter (fletcher32, szip, plugins) or a deflate level of 0
+        leave the dataset to HDF5. Chunks may tile the trailing axes: each
+        tile is encoded on its own, an edge tile padded with zeros beyond
+        the dataset's extent (bytes no reader sees), as HDF5 stores it.
         """
         dcpl = dsid.get_create_plist()
         if dcpl.get_layout() != h5d.CHUNKED:
             return None
         chunk, shape = dcpl.get_chunk(), dsid.shape
-        if tuple(chunk[1:]) != tuple(shape[1:]):
-            return None
         filters = [dcpl.get_filter(i)[:3] for i in range(dcpl.get_nfilters())]
         codes = [code for code, _, _ in filters]
         if codes not in ([h5z.FILTER_DEFLATE], [h5z.FILTER_SHUFFLE, h5z.FILTER_DEFLATE]):
@@ -68,7 +77,28 @@ class ChunkEncoder:
         shuffle_values = filters[0][2] if shuffle else ()
         element_size = int(shuffle_values[0]) if shuffle_values else int(
             dsid.get_type().get_size())
-        return cls(element_size=element_size, shuffle=shuffle, level=_ISAL_LEVEL[level])
+        return cls(element_size=element_size, shuffle=shuffle, level=_ISAL_LEVEL[level],
+                   tile=tuple(int(c) for c in chunk[1:]), trailing=tuple(shape[1:]))
+
+    def encode_rows(self, rows: np.ndarray) -> Iterator[tuple[tuple[int, ...], bytes]]:
+        """Each chunk of one row of chunks: its offset along the trailing axes, its stored bytes.
+
+        ``rows`` holds a chunk's rows across the whole trailing shape; the
+        chunks come in row-major order of the trailing grid.
+        """
+        if self.tile == self.trailing:
+            yield (0,) * len(self.tile), self.encode(rows)
+            return
+        grid = [math.ceil(t / c) for t, c in zip(self.trailing, self.tile, strict=True)]
+        for coords in np.ndindex(*grid):
+            start = tuple(c * t for c, t in zip(coords, self.tile, strict=True))
+            part = rows[(slice(None), *(slice(s, s + t) for s, t in zip(start, self.tile,
+                                                                        strict=True)))]
+            if part.shape[1:] != self.tile:
+                padded = np.zeros((len(rows), *self.tile), dtype=rows.dtype)
+                padded[(slice(None), *(slice(0, n) for n in part.shape[1:]))] = part
+                part = padded
+            yield start, self.encode(part)
 
     def encode(self, rows: np.ndarray) -> bytes:
         """The stored bytes of a whole chunk holding ``rows`` (C-contiguous)."""
