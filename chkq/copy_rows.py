@@ -22,7 +22,8 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5s
 
-from chkq.deflate_chunks import ChunkEncoder
+from chkq.deflate_chunks import ChunkEncoder, lossy_filter
+from chkq.errors import BadCheckpointError
 from chkq.plan import CopyUnit, DatasetPlan, Plan
 from chkq.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
 from chkq.rundir import CREATE, WRITE, RunDir, fd_path
@@ -397,6 +398,7 @@ def _copy_to_part(
         buffer = np.empty((min(buffer_rows, max(stop - start, 1)), *d.trailing),
                           dtype=f"V{d.element_size}")
         encoder = ChunkEncoder.for_dataset(out)
+        lossy = lossy_filter(out.get_create_plist())
         trailing_zeros = (0,) * len(d.trailing)
         tiles = chunk_starts(d)
         pending_rows, written = 0, 0
@@ -448,6 +450,14 @@ def _copy_to_part(
                             progress(stats.rows)
                     if lo == end:
                         continue
+                    if lossy is not None:
+                        raise BadCheckpointError(
+                            f"dataset '/{d.name}' of checkpoint file "
+                            f"{str(plan.file_path(file_index))!r} is stored with a lossy filter "
+                            f"({lossy}) and its chunks cannot move unchanged (another chunk "
+                            "shape or filter parameters than the final checkpoint's, chunks "
+                            "not written, or rows off the chunk grid): encoding its rows "
+                            "again would change their values")
                     digest = hashlib.sha256()
                     first_row = lo + base
                     while lo < end:

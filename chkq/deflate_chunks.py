@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from h5py import h5d, h5z
+from h5py import h5d, h5p, h5z
 from isal import isal_zlib
 
 #: ISA-L's levels (0-3) for HDF5's deflate levels 1-9: the faster, the lower.
@@ -107,3 +107,39 @@ class ChunkEncoder:
         if self.shuffle and self.element_size > 1 and count > 1:
             raw = raw.reshape(count, self.element_size).T.copy()
         return isal_zlib.compress(raw.data, self.level)
+
+
+#: Filters that change values (HDF5 filter ids registered with the HDF Group), by name.
+_LOSSY_FILTERS = {32013: "ZFP", 32017: "SZ", 32019: "JPEG", 32022: "BitGroom",
+                  32023: "Granular BitRound", 32024: "SZ3"}
+#: The short mode word ZFP's stream header gives its reversible (lossless) mode.
+_ZFP_REVERSIBLE_MODE = 2176
+#: Scale types of HDF5's scale-offset filter (first parameter): integers, else floats.
+_SCALEOFFSET_INT = 2
+
+
+def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
+    """The name of a filter in ``dcpl``'s pipeline that does not restore values exactly, or None.
+
+    A lossy filter's output depends on where chunk boundaries fall (it
+    approximates each chunk's values as a whole), so rows decoded and
+    encoded again at other boundaries come back different. Lossy: ZFP but
+    in its reversible mode (read from the stream header the filter stores
+    as its parameters: a mode it does not spell shortly counts as lossy),
+    SZ, SZ3, JPEG, BitGroom and Granular BitRound, and HDF5's scale-offset
+    filter on floating-point values or on integers with a fixed bit count
+    (which drops higher bits).
+    """
+    for i in range(dcpl.get_nfilters()):
+        code, _, values, _ = dcpl.get_filter(i)
+        if code == h5z.FILTER_SCALEOFFSET:
+            if not values or values[0] != _SCALEOFFSET_INT:
+                return "scale-offset on floating-point values"
+            if len(values) > 1 and values[1] != 0:
+                return "scale-offset with a fixed bit count"
+        elif code == 32013:
+            if len(values) < 4 or values[3] >> 20 != _ZFP_REVERSIBLE_MODE:
+                return "ZFP (fixed-rate, fixed-precision or fixed-accuracy mode)"
+        elif code in _LOSSY_FILTERS:
+            return _LOSSY_FILTERS[code]
+    return None
