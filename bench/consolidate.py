@@ -64,9 +64,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
 
+from chkq.consolidation.checkpoint_files import is_extensible  # noqa: E402
+from chkq.consolidation.skeleton import create_extensible  # noqa: E402
 from chkq.demo import RunShape, make_run  # noqa: E402
-from chkq.skeleton import create_extensible  # noqa: E402
-from chkq.structure import is_extensible  # noqa: E402
 
 MiB = 1 << 20
 MODEL = "run"

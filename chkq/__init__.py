@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "consolidate_checkpoints": "chkq.workers.client",
     "submit_consolidation": "chkq.workers.client",
-    "submit_commit": "chkq.workers.commits",
-    "CommitOptions": "chkq.commits",
+    "submit_commit": "chkq.workers.commit_client",
+    "CommitOptions": "chkq.log.transfer",
     "CheckpointLog": "chkq.log",
     "CheckpointRecord": "chkq.log",
     "CheckpointStore": "chkq.stores",

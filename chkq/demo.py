@@ -18,7 +18,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
-from chkq.discovery import check_model_name, checkpoint_pattern
+from chkq.consolidation.discovery import check_model_name, checkpoint_pattern
 from chkq.errors import OutputExistsError
 
 STR = h5py.string_dtype()

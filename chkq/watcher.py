@@ -24,8 +24,8 @@ from pathlib import Path
 
 import h5py
 
-from chkq.discovery import check_out_dir, find_checkpoints
-from chkq.structure import COMPLETE_ATTR
+from chkq.consolidation.checkpoint_files import COMPLETE_ATTR
+from chkq.consolidation.discovery import check_out_dir, find_checkpoints
 
 
 class CommitDeferred(Exception):

@@ -22,16 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from chkq.access import resolve_allowed
-from chkq.commits import (
+from chkq.config.celery_app import get_app, get_settings
+from chkq.errors import BadMessageError, BadMessageTypeError
+from chkq.log import CheckpointLog
+from chkq.log.transfer import (
     CommitOptions,
     FileChangedError,
     ParentNotCommittedError,
     commit_bytes,
     read_stable,
 )
-from chkq.config.celery_app import get_app, get_settings
-from chkq.errors import BadMessageError, BadMessageTypeError
-from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError
 from chkq.stores.url import parse_store_url
 from chkq.tasks.base import ChkqTask, Timer
@@ -39,7 +39,7 @@ from chkq.tasks.base import ChkqTask, Timer
 MAX_RETRIES = 30
 #: A parent still being committed is waited for by retries 0.25 s apart at first, then up
 #: to 5 s apart, for about 10 minutes. Clients that know a whole chain send it as a Celery
-#: chain instead (chkq.workers.commits.submit_commit_chain), which never waits.
+#: chain instead (chkq.workers.commit_client.submit_commit_chain), which never waits.
 PARENT_RETRIES = 130
 
 
@@ -99,8 +99,8 @@ def commit(self: ChkqTask, store_url: str, run: str, path: str | None = None,
            **options: Any) -> dict[str, Any]:
     """Commit the checkpoint file at ``path`` to run ``run`` of the store at ``store_url``.
 
-    ``options`` are the fields of :class:`chkq.commits.CommitOptions` a
-    message may carry (:meth:`~chkq.commits.CommitOptions.to_json`):
+    ``options`` are the fields of :class:`chkq.log.transfer.CommitOptions` a
+    message may carry (:meth:`~chkq.log.transfer.CommitOptions.to_json`):
     ``name``, kept (with ``model``) in a name entry of its own so that
     ``chkq log restore`` can put the file back under every name it was
     committed as, and ``expect_id`` (the SHA-256 the watcher saw), which

@@ -39,22 +39,18 @@ from celery.exceptions import Ignore, TaskRevokedError
 
 from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
-from chkq.copy_rows import copy_unit
-from chkq.discovery import Checkpoint, check_model_name, check_numbering, check_out_dir
-from chkq.errors import (
-    BadMessageError,
-    BadMessageTypeError,
-    ChkqError,
-    JobStateGoneError,
-    UnprovenJobError,  # noqa: F401 (re-exported)
+from chkq.consolidation.copy_rows import copy_unit
+from chkq.consolidation.discovery import (
+    Checkpoint,
+    check_model_name,
+    check_numbering,
+    check_out_dir,
 )
-from chkq.finalize import discard_job_files, link_output, remove_checkpoints
-from chkq.fsutil import WRITE_ERRNOS, write_failure
-from chkq.merge import merge_parts, remove_parts
-from chkq.naming import JobFiles, check_job_id
-from chkq.output_check import check_plan_output
-from chkq.plan import Plan
-from chkq.planner import (
+from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
+from chkq.consolidation.merge import merge_parts, remove_parts
+from chkq.consolidation.output_check import check_plan_output
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.prepare import (
     SCAN_FILES,
     ScannedFile,
     checkpoints_from_record,
@@ -68,6 +64,16 @@ from chkq.planner import (
     scans_from_record,
     scans_to_record,
 )
+from chkq.consolidation.temporaries import JobFiles, check_job_id
+from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
+from chkq.errors import (
+    BadMessageError,
+    BadMessageTypeError,
+    ChkqError,
+    JobStateGoneError,
+    UnprovenJobError,  # noqa: F401 (re-exported)
+)
+from chkq.fsutil import WRITE_ERRNOS, write_failure
 from chkq.rundir import RunDir
 from chkq.tasks import protocol
 from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
@@ -80,7 +86,6 @@ from chkq.tasks.protocol import (
     root_cause,
     task_id,
 )
-from chkq.verify_rows import digests_by_dataset, verify_files
 
 log = logging.getLogger("chkq.tasks")
 

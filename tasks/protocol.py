@@ -60,7 +60,10 @@ from celery.result import AsyncResult
 from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.security import record_key
-from chkq.discovery import Checkpoint, checkpoint_pattern
+from chkq.consolidation.discovery import Checkpoint, checkpoint_pattern
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.stamps import FileStamp
+from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
     BadMessageError,
     BadNameError,
@@ -68,9 +71,6 @@ from chkq.errors import (
     JobNotFoundError,
     JobStateGoneError,
 )
-from chkq.naming import check_job_id
-from chkq.plan import Plan
-from chkq.stamps import FileStamp
 
 #: The steps of a job, in order (``link`` has the job's own id).
 STEPS = ("plan", "copy", "merge", "verify", "link")
@@ -460,7 +460,7 @@ def output_stamp(plan: Plan) -> list[int]:
 def record_run(job: str, out_dir: str, model: str, checkpoints: list[Any]) -> list[Any]:
     """Record the checkpoints a job's scan units read, unless some are; return the recorded ones.
 
-    ``checkpoints`` is JSON-ready data (``chkq.planner.checkpoints_to_record``).
+    ``checkpoints`` is JSON-ready data (``chkq.consolidation.prepare.checkpoints_to_record``).
     """
     _set(_key(job, "run"), {"out_dir": out_dir, "model": model, "checkpoints": checkpoints},
          nx=True)
@@ -494,7 +494,7 @@ def recorded_run(job: str, out_dir: str, model: str) -> list[Any] | None:
 
 
 def record_scanned(job: str, unit: int, record: dict[str, Any]) -> None:
-    """Record what scan unit ``unit`` found in its files (``chkq.planner.scans_to_record``)."""
+    """Record what scan unit ``unit`` found (``chkq.consolidation.prepare.scans_to_record``)."""
     _hset(job, "scanned", unit, record)
 
 

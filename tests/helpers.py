@@ -15,8 +15,8 @@ from typing import TypeVar
 import h5py
 import numpy as np
 
-from chkq.h5types import type_key as type_signature
-from chkq.structure import is_extensible
+from chkq.consolidation.checkpoint_files import is_extensible
+from chkq.consolidation.h5types import type_key as type_signature
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from celery.result import AsyncResult
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.log import CheckpointLog, checkpoint_id
 from chkq.stores import open_store
-from chkq.workers.commits import record_of, submit_commit, submit_commit_chain
+from chkq.workers.commit_client import record_of, submit_commit, submit_commit_chain
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 from tests.plugins.object_stores import BUCKET, FaultProxy
 from tests.test_log_tasks import checkpoint_series, payload_keys

@@ -269,8 +269,8 @@ def test_verify_finds_a_corrupted_row(tmp_path: Path, worker: WorkerProcess) -> 
 
 
 def test_job_files_never_match_the_checkpoint_pattern(tmp_path: Path) -> None:
-    from chkq.discovery import checkpoint_pattern
-    from chkq.naming import JobFiles
+    from chkq.consolidation.discovery import checkpoint_pattern
+    from chkq.consolidation.temporaries import JobFiles
 
     job = JobFiles(tmp_path, "run", "0123456789abcdef")
     pattern = checkpoint_pattern("run")

@@ -9,8 +9,8 @@ import h5py
 import numpy as np
 import pytest
 
-from chkq.deflate_chunks import ChunkEncoder
-from chkq.driver import consolidate_here
+from chkq.consolidation.chunk_encoding import ChunkEncoder
+from chkq.consolidation.driver import consolidate_here
 from tests.test_fidelity import make_run
 
 ROW = np.dtype([("id", "<u8"), ("x", ">f4"), ("flag", "u1")])

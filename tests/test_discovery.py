@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from chkq.discovery import check_model_name, find_checkpoints
+from chkq.consolidation.discovery import check_model_name, find_checkpoints
 
 
 def touch(path: Path) -> Path:

@@ -36,7 +36,7 @@ VICTIM = r"""
 import json, sys, time
 from pathlib import Path
 from chkq.workers.embedded import EmbeddedCluster
-from chkq.workers.commits import submit_commit
+from chkq.workers.commit_client import submit_commit
 
 release, probe, store = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 with EmbeddedCluster(1) as cluster:

@@ -64,7 +64,7 @@ LIMITS = Settings(soft_time_limit=8, time_limit=10, visibility_timeout=12)
 # A run whose copy takes a second or more whatever the copy code's speed:
 # gzip data whose file boundaries fall inside chunks must be decoded and
 # encoded again, and fletcher32 keeps the encoding on HDF5's own zlib
-# (chkq.deflate_chunks encodes only [shuffle,] deflate pipelines, about 20x
+# (chkq.consolidation.chunk_encoding encodes only [shuffle,] deflate pipelines, about 20x
 # faster). ``spectra/spec`` (10 MB) is the long copy task.
 SLOW = FAULT_LIMITS
 SLOW_RUN = RunShape(checkpoints=2, trials=10007, spec_columns=64, compression="gzip",

@@ -1,4 +1,4 @@
-"""Full fidelity on HDF5 as other software writes it (Celery-free, through chkq.driver).
+"""Full fidelity on HDF5 as other software writes it (Celery-free, in one process).
 
 Each test builds checkpoint files with h5py the way PyTables, netCDF-4,
 MATLAB or the HDF Group's examples do, consolidates them with the same
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from h5py import h5a, h5d, h5p, h5s, h5t
 
-from chkq.driver import consolidate_here
+from chkq.consolidation.driver import consolidate_here
 from tests.helpers import snapshot
 
 Builder = Callable[[h5py.File, int], None]

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from h5py import h5d, h5g, h5o, h5p, h5s, h5t
 
+from chkq.consolidation.output_check import check_output
 from chkq.errors import OutputMismatchError
-from chkq.output_check import check_output
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
 from tests.helpers import assert_consolidated

@@ -25,9 +25,9 @@ import pytest
 from h5py import h5a, h5f, h5s, h5t
 
 from chkq.config.routing import QUEUES
+from chkq.consolidation.checkpoint_files import MAX_DEPTH, UNWRITTEN_SLACK
+from chkq.consolidation.output_check import check_output
 from chkq.errors import OutputMismatchError
-from chkq.output_check import check_output
-from chkq.structure import MAX_DEPTH, UNWRITTEN_SLACK
 from chkq.workers.client import submit_consolidation
 from tests.corpus_expect import compare
 from tests.helpers import assert_consolidated, snapshot

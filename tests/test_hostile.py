@@ -26,9 +26,9 @@ from kombu import Connection, Exchange, Producer
 
 from chkq.config.celery_app import get_app
 from chkq.config.routing import QUEUES
+from chkq.consolidation.prepare import prepare
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
-from chkq.naming import JobFiles, discard_job_files
-from chkq.planner import prepare
 from chkq.tasks import protocol
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation

@@ -150,7 +150,7 @@ def test_every_task_has_the_clamping_request() -> None:
 def test_client_sends_no_limits(limits_db: tuple[str, Celery]) -> None:
     """chkq's client puts no ``timelimit`` of its own in a task message (read from Redis).
 
-    Sent as ``chkq.workers.commits`` does, through the app that registers the
+    Sent as ``chkq.workers.commit_client`` does, through the app that registers the
     tasks (a task's class attributes become the message's options).
     """
     import chkq.tasks.commit  # noqa: F401 - registers chkq.commit with the process's app

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from chkq import CheckpointCorruptionError
-from chkq.delta import compress_full
 from chkq.log import CheckpointLog
+from chkq.log.delta import compress_full
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 
 MiB = 1 << 20

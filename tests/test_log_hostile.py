@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from chkq.delta import zstd
 from chkq.log import CheckpointLog, CheckpointRecord, NameEntry
+from chkq.log.delta import zstd
 from chkq.log.signing import LogTrust
 from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.stores.memory import MemoryStore
 from chkq.stores.url import open_store
 from chkq.workers.cli import main as chkq_main
-from chkq.workers.commits import record_of, submit_commit
+from chkq.workers.commit_client import record_of, submit_commit
 from tests.plugins.cluster import WorkerProcess
 from tests.plugins.object_stores import make_store
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chkq.commits import restore_run
-from chkq.delta import compress_full
 from chkq.log import CheckpointLog
+from chkq.log.delta import compress_full
+from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 from chkq.workers.cli import main as chkq_main
 from tests.plugins.object_stores import BUCKET

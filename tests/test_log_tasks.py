@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chkq.commits import CommitOptions
 from chkq.config.celery_app import get_app
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.errors import BadMessageError, BadMessageTypeError
 from chkq.log import CheckpointLog
+from chkq.log.transfer import CommitOptions
 from chkq.stores import open_store
-from chkq.workers.commits import record_of, submit_commit
+from chkq.workers.commit_client import record_of, submit_commit
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 
 TIMEOUT = 120

@@ -21,9 +21,9 @@ import h5py
 import numpy as np
 import pytest
 
-from chkq.commits import restore_run
 from chkq.log import CheckpointLog, NameEntry
 from chkq.log.signing import LogTrust, generate_key_pair
+from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.watcher import Watcher
 from chkq.workers.cli import main as chkq_main

@@ -104,7 +104,7 @@ def test_head_copy_of_other_bytes_is_found(store: CheckpointStore) -> None:
     """A well-formed frame of the wrong checkpoint (not a decode error) is found too."""
     log, ids = chain(store)
     copy = log.head_copy_key(ids[2])
-    from chkq.delta import compress_full
+    from chkq.log.delta import compress_full
 
     store.put(copy, compress_full(log.load(ids[1])))
     report = fresh(log).verify()

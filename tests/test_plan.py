@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from pathlib import Path
 
+from chkq.consolidation.prepare import prepare
 from chkq.demo import RunShape, make_run
-from chkq.planner import prepare
 
 
 def test_one_copy_task_per_extensible_dataset_big_ones_split(tmp_path: Path) -> None:

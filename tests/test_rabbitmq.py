@@ -29,7 +29,7 @@ from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from chkq.workers.broker import PrivateRedis, free_port
 from chkq.workers.client import ConsolidationJob, JobCancelledError, submit_consolidation
-from chkq.workers.commits import submit_commit
+from chkq.workers.commit_client import submit_commit
 from tests.helpers import assert_consolidated, snapshot, wait_for
 from tests.plugins.cluster import WorkerProcess, consumers_paused
 from tests.plugins.rabbitmq import Vhost, amqp_vhost

@@ -10,14 +10,14 @@ import h5py
 import numpy as np
 import pytest
 
-from chkq.copy_rows import copy_unit
+from chkq.consolidation.checkpoint_files import DIGEST_FILE_BYTES, scan_file
+from chkq.consolidation.copy_rows import copy_unit
+from chkq.consolidation.merge import merge_parts
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.prepare import prepare
+from chkq.consolidation.verify_rows import verify_files
 from chkq.demo import RunShape, make_run
 from chkq.errors import OutputMismatchError
-from chkq.merge import merge_parts
-from chkq.plan import Plan
-from chkq.planner import prepare
-from chkq.structure import DIGEST_FILE_BYTES, scan_file
-from chkq.verify_rows import verify_files
 
 
 def copied(run: Path, model: str = "run") -> Plan:

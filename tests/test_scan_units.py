@@ -7,8 +7,8 @@ from pathlib import Path
 import h5py
 import pytest
 
+from chkq.consolidation.prepare import SCAN_FILES, scan_units
 from chkq.demo import RunShape, make_run, write_checkpoint_file
-from chkq.planner import SCAN_FILES, scan_units
 from chkq.tasks.base import deliveries_key
 from chkq.tasks.consolidate import task_id
 from chkq.tasks.protocol import job_status

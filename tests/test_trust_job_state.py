@@ -36,11 +36,11 @@ from cryptography.x509.oid import NameOID
 from chkq.config.celery_app import get_app
 from chkq.config.routing import COPY_QUEUE
 from chkq.config.settings import Settings
+from chkq.consolidation.discovery import Checkpoint
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
-from chkq.discovery import Checkpoint
 from chkq.errors import CheckpointChangedError
-from chkq.naming import JobFiles, discard_job_files
-from chkq.plan import Plan
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port

@@ -28,14 +28,14 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE, COPY_QUEUE, VERIFY_QUEUE
-from chkq.copy_rows import copy_unit
+from chkq.consolidation.checkpoint_files import open_checkpoint_id
+from chkq.consolidation.copy_rows import copy_unit
+from chkq.consolidation.merge import merge_parts, remove_parts
+from chkq.consolidation.output_check import check_plan_output
+from chkq.consolidation.prepare import find_run, prepare, run_files, scan_files
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
-from chkq.merge import merge_parts, remove_parts
-from chkq.output_check import check_plan_output
-from chkq.planner import find_run, prepare, run_files, scan_files
 from chkq.rundir import RunDir
-from chkq.structure import open_checkpoint_id
 from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
 from tests.helpers import assert_consolidated, snapshot, wait_for

@@ -224,7 +224,7 @@ def test_allow_gaps_from_python_on_a_cluster_warns_and_cleans_up(
 def test_a_gap_in_a_run_scanned_in_parallel(worker: WorkerProcess, tmp_path: Path) -> None:
     """More than SCAN_FILES files: the plan step runs again after its scan units, and an
     accepted gap stays accepted there; without --allow-gaps the worker refuses it too."""
-    from chkq.planner import SCAN_FILES
+    from chkq.consolidation.prepare import SCAN_FILES
 
     run = tmp_path / "run"
     files = make_run(run, "run", RunShape(checkpoints=SCAN_FILES + 20, trials=1))

@@ -34,7 +34,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import get_app, get_settings
-from chkq.discovery import check_model_name, check_out_dir
+from chkq.consolidation.discovery import check_model_name, check_out_dir
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import (  # noqa: F401 (re-exported)
     JobCancelledError,
     JobFailedError,
@@ -44,7 +45,6 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     RunNotFoundError,
     WaitTimeoutError,
 )
-from chkq.naming import JobFiles, discard_job_files
 from chkq.tasks.protocol import (
     ForgedRecordError,
     cancelled,
@@ -412,7 +412,7 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
     ChkqError
         As :func:`consolidate_checkpoints`.
     """
-    from chkq.discovery import check_numbering, find_checkpoints
+    from chkq.consolidation.discovery import check_numbering, find_checkpoints
     from chkq.fsutil import check_writable_dir
 
     model = check_model_name(model_name)
@@ -421,7 +421,7 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
     if output.exists() or output.is_symlink():
         raise OutputExistsError(f"output {str(output)!r} exists; it is never overwritten")
     if scan:
-        from chkq.planner import discover_and_scan
+        from chkq.consolidation.prepare import discover_and_scan
 
         checkpoints, _ = discover_and_scan(directory, model, allow_gaps=allow_gaps)
     else:

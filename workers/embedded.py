@@ -49,8 +49,8 @@ from celery.result import AsyncResult
 
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.routing import QUEUES
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import EmbeddedClusterError, WaitTimeoutError
-from chkq.naming import JobFiles, discard_job_files
 from chkq.workers.broker import PrivateRedis, die_with_parent
 from chkq.workers.launch import (  # noqa: F401 (worker_command re-exported)
     launch_worker,

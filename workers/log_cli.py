@@ -28,13 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from chkq.commits import (
-    CommitOptions,
-    pull_mode,
-    resolve_id,
-    restore_run,
-    write_output,
-)
 from chkq.config.settings import Settings
 from chkq.errors import ChkqError, NothingToRestoreError
 from chkq.log import (
@@ -48,6 +41,13 @@ from chkq.log import (
     printable,
 )
 from chkq.log.signing import generate_key_pair
+from chkq.log.transfer import (
+    CommitOptions,
+    pull_mode,
+    resolve_id,
+    restore_run,
+    write_output,
+)
 from chkq.stores import open_store
 from chkq.stores.base import StoreTimeouts, overall_budget
 
@@ -129,7 +129,7 @@ def cmd_commit(args: argparse.Namespace) -> int:
     options = CommitOptions(parent_head=args.parent_head, step=args.step, label=args.label,
                             name=name, model=args.model or model_of_name(name))
     if Settings.from_env().broker_url is None:
-        from chkq.workers.commits import commit_in_process, store_retries_reported
+        from chkq.workers.commit_client import commit_in_process, store_retries_reported
 
         if not path.is_file():
             raise CommandError(f"checkpoint file {str(path)!r} does not exist")
@@ -141,7 +141,7 @@ def cmd_commit(args: argparse.Namespace) -> int:
                 writer=f"chkq log commit@{default_writer()}", budget=budget)
         print(record.id)
         return 0
-    from chkq.workers.commits import commit_checkpoint
+    from chkq.workers.commit_client import commit_checkpoint
 
     parent = resolve_id(_existing(args), args.parent) if args.parent else None
     record = commit_checkpoint(args.store, args.run, path, options, parent=parent)

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from chkq.naming import JobFiles, discard_job_files
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 
 #: Longest wait for the workers to be gone before the temporaries are removed anyway.
 WORKERS_GONE_SECONDS = 10.0

@@ -491,7 +491,7 @@ def cancel_job(job: str) -> str:
         The job already finished or failed: there is nothing to cancel.
     """
     from chkq.config.celery_app import get_app
-    from chkq.naming import JobFiles, discard_job_files
+    from chkq.consolidation.temporaries import JobFiles, discard_job_files
     from chkq.tasks.protocol import job_status, record_cancelled
 
     status = job_status(job)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from celery.result import AsyncResult
 
-from chkq.commits import CommitOptions, FileChangedError
 from chkq.config.celery_app import get_settings
-from chkq.discovery import check_model_name, check_out_dir
+from chkq.consolidation.discovery import check_model_name, check_out_dir
 from chkq.log import CheckpointLog, default_writer
+from chkq.log.transfer import CommitOptions, FileChangedError
 from chkq.stores import TransientStoreError, open_store
 from chkq.watcher import CommitDeferred, CommitRequest, Watcher
 
@@ -73,7 +73,7 @@ def commit_options(request: CommitRequest, model: str) -> CommitOptions:
 def in_process_committer(args: argparse.Namespace, model: str
                          ) -> Callable[[CommitRequest], None]:
     """Commit each ready file in this process; defer (to the next look) what fails for now."""
-    from chkq.workers.commits import commit_in_process, store_retries_reported
+    from chkq.workers.commit_client import commit_in_process, store_retries_reported
 
     writer = f"chkq watch@{default_writer()}"
 
@@ -98,7 +98,7 @@ def watch(args: argparse.Namespace) -> int:
     pending: list[tuple[CommitRequest, AsyncResult]] = []
 
     def enqueue(request: CommitRequest) -> None:
-        from chkq.workers.commits import submit_commit
+        from chkq.workers.commit_client import submit_commit
 
         result = submit_commit(args.store, args.run, request.path,
                                commit_options(request, model))

@@ -14,7 +14,7 @@ identified by the SHA-256 of its bytes.  The package is cut by job:
   stores shared with others.
 
 Committing files and restoring runs (name handling, writing files without
-following links) is :mod:`chkq.commits`.
+following links) is :mod:`chkq.log.transfer`.
 """
 
 from chkq.log.checkpoint_log import DEFAULT_CACHE_BYTES, DEFAULT_GC_AGE, CheckpointLog

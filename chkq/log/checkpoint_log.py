@@ -82,7 +82,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
 
-from chkq import delta as codec
 from chkq.errors import (
     CheckpointCorruptionError,
     CheckpointNotFoundError,
@@ -90,6 +89,7 @@ from chkq.errors import (
     SymlinkInStoreError,
     UnknownParentError,
 )
+from chkq.log import delta as codec
 from chkq.log import gc as _gc
 from chkq.log import verify as _verify
 from chkq.log.keys import RunKeys

@@ -36,8 +36,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from chkq import delta as codec
 from chkq.errors import CheckpointCorruptionError
+from chkq.log import delta as codec
 
 if TYPE_CHECKING:
     from chkq.log.checkpoint_log import CheckpointLog

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chkq import delta as codec
 from chkq.errors import CheckpointCorruptionError
+from chkq.log import delta as codec
 from chkq.log.keys import GROUPS
 from chkq.log.records import (
     CheckpointRecord,

@@ -16,29 +16,7 @@ from typing import Any
 
 from h5py import h5a, h5d, h5f, h5o, h5t
 
-from chkq.deflate_chunks import lossy_filter
-from chkq.discovery import (
-    Checkpoint,
-    check_model_name,
-    check_numbering,
-    check_out_dir,
-    find_checkpoints,
-)
-from chkq.errors import BadCheckpointError, BadMessageError, NoCheckpointsError, OutputExistsError
-from chkq.fsutil import check_writable_dir
-from chkq.h5types import describe_type, element_count, has_reference
-from chkq.naming import JobFiles
-from chkq.plan import (
-    DatasetPlan,
-    Plan,
-    cut_copy_units,
-    cut_verify_units,
-    offsets_of,
-)
-from chkq.rundir import RunDir
-from chkq.skeleton import create_skeleton, dataset_mode, output_access
-from chkq.stamps import FileStamp, check_same, open_unchanged, stamp_of
-from chkq.structure import (
+from chkq.consolidation.checkpoint_files import (
     MIN_HOLD_BYTES,
     FileScan,
     check_same_structure,
@@ -47,6 +25,28 @@ from chkq.structure import (
     scan_file,
     walk_objects,
 )
+from chkq.consolidation.chunk_encoding import lossy_filter
+from chkq.consolidation.discovery import (
+    Checkpoint,
+    check_model_name,
+    check_numbering,
+    check_out_dir,
+    find_checkpoints,
+)
+from chkq.consolidation.h5types import describe_type, element_count, has_reference
+from chkq.consolidation.plan import (
+    DatasetPlan,
+    Plan,
+    cut_copy_units,
+    cut_verify_units,
+    offsets_of,
+)
+from chkq.consolidation.skeleton import create_skeleton, dataset_mode, output_access
+from chkq.consolidation.stamps import FileStamp, check_same, open_unchanged, stamp_of
+from chkq.consolidation.temporaries import JobFiles
+from chkq.errors import BadCheckpointError, BadMessageError, NoCheckpointsError, OutputExistsError
+from chkq.fsutil import check_writable_dir
+from chkq.rundir import RunDir
 
 DEFAULT_BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -96,7 +96,7 @@ def check_lossy_chunks(reference: Path, template: int, datasets: list[DatasetPla
                        paths: list[Path]) -> None:
     """Refuse a run whose lossily filtered rows could not all move as the chunks they are in.
 
-    A lossy filter (:func:`chkq.deflate_chunks.lossy_filter`) gives other
+    A lossy filter (:func:`chkq.consolidation.chunk_encoding.lossy_filter`) gives other
     values when rows are decoded and encoded again at other chunk
     boundaries, so such a dataset's chunks must move unchanged: every file
     with rows must start on the dataset's chunk grid in the output, and end
@@ -139,7 +139,7 @@ def check_lossy_chunks(reference: Path, template: int, datasets: list[DatasetPla
 def check_memory(scans: list[FileScan], block_bytes: int) -> None:
     """Refuse a run whose rows a task could not move within ``block_bytes`` at once.
 
-    (Or within :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger.)
+    (Or within :data:`chkq.consolidation.checkpoint_files.MIN_HOLD_BYTES`, if that is larger.)
 
     Raises
     ------
@@ -163,7 +163,7 @@ def check_template_memory(fid: h5f.FileID, reference: Path, block_bytes: int) ->
     The whole-output check reads every attribute at once (HDF5 reads no
     part of one), an element at least, and a whole chunk of a filtered
     dataset (HDF5 decodes whole chunks); each must fit in ``block_bytes`` (or in
-    :data:`chkq.structure.MIN_HOLD_BYTES`, if that is larger).
+    :data:`chkq.consolidation.checkpoint_files.MIN_HOLD_BYTES`, if that is larger).
 
     Raises
     ------

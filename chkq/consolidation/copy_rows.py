@@ -22,14 +22,14 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5s
 
-from chkq.deflate_chunks import ChunkEncoder, lossy_filter
+from chkq.consolidation.checkpoint_files import open_checkpoint_id
+from chkq.consolidation.chunk_encoding import ChunkEncoder, lossy_filter
+from chkq.consolidation.plan import CopyUnit, DatasetPlan, Plan
+from chkq.consolidation.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
+from chkq.consolidation.skeleton import create_extensible
+from chkq.consolidation.stamps import check_descriptor, open_unchanged
 from chkq.errors import BadCheckpointError
-from chkq.plan import CopyUnit, DatasetPlan, Plan
-from chkq.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
 from chkq.rundir import CREATE, WRITE, RunDir, fd_path
-from chkq.skeleton import create_extensible
-from chkq.stamps import check_descriptor, open_unchanged
-from chkq.structure import open_checkpoint_id
 
 Progress = Callable[[int], None]
 
@@ -189,7 +189,7 @@ class ChunkCopier:
     Profiling showed copy tasks spending their time in HDF5's per-file and
     per-call overhead (small files) and in moving every row through user
     memory (big files). Where the planning scan found a source's chunks to
-    hold plain rows (:attr:`chkq.plan.DatasetPlan.source_chunks`), and the
+    hold plain rows (:attr:`chkq.consolidation.plan.DatasetPlan.source_chunks`), and the
     output's chunks hold plain rows too, the rows are moved with
     ``copy_file_range`` (a page-cache copy in the kernel) from one to the
     other: no HDF5, no decoding, no user-space buffer. The file is the one
@@ -365,7 +365,7 @@ def _copy_to_part(
     read, goes into the task's result: verification then reads the
     (compressed) output once and compares digests instead of decoding
     every source again. Whole chunks of a [shuffle,] deflate dataset are
-    encoded with ISA-L (:mod:`chkq.deflate_chunks`, twenty times HDF5's
+    encoded with ISA-L (:mod:`chkq.consolidation.chunk_encoding`, twenty times HDF5's
     zlib) and stored as they are; the rest go through HDF5's filters. The
     template is opened as planned (its stamp checked); the part file is
     created exclusively through ``run`` (never through a link planted at

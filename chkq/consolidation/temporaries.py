@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from chkq.discovery import check_model_name
+from chkq.consolidation.discovery import check_model_name
 from chkq.errors import BadNameError
 from chkq.rundir import RunDir
 

@@ -22,10 +22,10 @@ from typing import Any
 from celery.canvas import Signature
 from celery.result import AsyncResult
 
-from chkq.commits import CommitOptions, commit_bytes, read_stable
 from chkq.config.celery_app import get_app, get_settings
 from chkq.errors import SourceNotFoundError
 from chkq.log import CheckpointLog, CheckpointRecord, default_writer, validate_run_id
+from chkq.log.transfer import CommitOptions, commit_bytes, read_stable
 from chkq.stores import open_store
 from chkq.stores.base import StoreTimeouts, overall_budget
 from chkq.stores.url import parse_store_url
@@ -88,7 +88,7 @@ def commit_in_process(
     """Commit the checkpoint file at ``path`` to ``run`` of ``store_url`` in this process.
 
     What a ``chkq.commit`` task does, by the file's owner, for any store, with
-    ``options`` (a :class:`~chkq.commits.CommitOptions`, or its fields as
+    ``options`` (a :class:`~chkq.log.transfer.CommitOptions`, or its fields as
     keyword arguments; the writer defaults to ``chkq@HOST``). The store
     operations of the whole commit share one retry budget (``budget``,
     default ``CHKQ_STORE_RETRY_SECONDS``), so an unreachable store fails the
@@ -118,7 +118,7 @@ def commit_signature(store_url: str, run: str, path: str | Path,
                      options: CommitOptions | None = None, **changes: Any) -> Signature:
     """The ``chkq.commit`` task for the file at ``path``, not sent yet (immutable).
 
-    The message carries ``options``' :meth:`~chkq.commits.CommitOptions.to_json`
+    The message carries ``options``' :meth:`~chkq.log.transfer.CommitOptions.to_json`
     as keyword arguments, the file's absolute path and never its bytes.
 
     Raises

@@ -39,11 +39,11 @@ import h5py
 import numpy as np
 from h5py import h5, h5a, h5d, h5g, h5o, h5p, h5s, h5t
 
-from chkq.h5types import has_reference, is_variable, opaque_dtype
-from chkq.rowio import ByteCopier
+from chkq.consolidation.checkpoint_files import open_checkpoint_id, stored_chunks, walk_objects
+from chkq.consolidation.h5types import has_reference, is_variable, opaque_dtype
+from chkq.consolidation.rowio import ByteCopier
+from chkq.consolidation.vlen import reclaim
 from chkq.rundir import CREATE, RunDir, fd_path
-from chkq.structure import open_checkpoint_id, stored_chunks, walk_objects
-from chkq.vlen import reclaim
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024

@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5s, h5t
 
-from chkq.h5types import is_variable
+from chkq.consolidation.h5types import is_variable
 
 
 def _library() -> ctypes.CDLL:

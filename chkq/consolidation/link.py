@@ -23,11 +23,11 @@ import os
 import stat
 from pathlib import Path
 
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.stamps import FileStamp, check_descriptor
+from chkq.consolidation.temporaries import discard_job_files  # noqa: F401 (re-exported)
 from chkq.errors import BadMessageError, JobStateGoneError, OutputExistsError
-from chkq.naming import discard_job_files  # noqa: F401 (re-exported)
-from chkq.plan import Plan
 from chkq.rundir import DIRECTORY, RunDir
-from chkq.stamps import FileStamp, check_descriptor
 
 log = logging.getLogger(__name__)
 

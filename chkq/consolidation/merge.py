@@ -5,7 +5,7 @@ by two at once), on the output the planner made (checked by inode).
 ``chunks`` datasets receive their part files' encoded chunks with
 ``read_direct_chunk``/``write_direct_chunk`` (no decompression); ``whole``
 datasets (variable-length data, references) receive their rows through
-HDF5, file by file, in HDF5's own memory form (:mod:`chkq.vlen`), each
+HDF5, file by file, in HDF5's own memory form (:mod:`chkq.consolidation.vlen`), each
 object or region reference re-pointed to the object of the same name in
 the output.
 """
@@ -20,14 +20,14 @@ import h5py
 import numpy as np
 from h5py import h5r, h5t
 
-from chkq import vlen
-from chkq.copy_rows import open_output_fd, open_source
+from chkq.consolidation import vlen
+from chkq.consolidation.checkpoint_files import open_checkpoint_id
+from chkq.consolidation.copy_rows import open_output_fd, open_source
+from chkq.consolidation.plan import DatasetPlan, Plan
+from chkq.consolidation.rowio import block_rows
+from chkq.consolidation.stamps import check_descriptor
 from chkq.errors import BadCheckpointError
-from chkq.plan import DatasetPlan, Plan
-from chkq.rowio import block_rows
 from chkq.rundir import READ, RunDir, fd_path
-from chkq.stamps import check_descriptor
-from chkq.structure import open_checkpoint_id
 
 #: Most rows of variable-length data moved per read (their size in memory is not known).
 WHOLE_BLOCK_ROWS = 65536

@@ -19,9 +19,9 @@ import hdf5plugin  # noqa: F401  (registers Blosc, Blosc2, Zstd, LZ4, BZip2... w
 import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5s, h5t, h5z
 
+from chkq.consolidation.h5types import element_count, is_variable, type_key
+from chkq.consolidation.rowio import digest_rows
 from chkq.errors import BadCheckpointError, CheckpointChangedError
-from chkq.h5types import element_count, is_variable, type_key
-from chkq.rowio import digest_rows
 from chkq.rundir import fd_path
 
 COMPLETE_ATTR = "trials_completed"
@@ -53,7 +53,7 @@ class FileScan:
     digest
         For a small file whose extensible datasets are all of fixed-size
         types: the SHA-256 of their rows as HDF5 reads them (in name order,
-        :func:`chkq.rowio.digest_rows`), against which the output is
+        :func:`chkq.consolidation.rowio.digest_rows`), against which the output is
         verified without opening the file again; else "".
     memory
         The largest :func:`memory_need` of the file's extensible datasets
@@ -62,7 +62,7 @@ class FileScan:
     access
         The file's permission bits, owner and group (``st_mode & 0o7777``,
         ``st_uid``, ``st_gid``), from which the output's are derived
-        (:func:`chkq.skeleton.output_access`); ``(0, -1, -1)`` if not taken.
+        (:func:`chkq.consolidation.skeleton.output_access`); ``(0, -1, -1)`` if not taken.
     """
 
     path: Path

@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from chkq.consolidation.stamps import FileStamp
+from chkq.consolidation.temporaries import JobFiles
 from chkq.errors import BadMessageError
-from chkq.naming import JobFiles
 from chkq.rundir import RunDir
-from chkq.stamps import FileStamp
 
 if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
-    from chkq.structure import FileScan
+    from chkq.consolidation.checkpoint_files import FileScan
 
 PLAN_VERSION = 1
 #: Library version bounds a plan may name (h5py's ``libver`` values).
@@ -68,7 +68,7 @@ class DatasetPlan:
     source_chunks
         Raw mode, by file: the file offsets of the source's chunks in row
         order when they hold plain rows with the output's rows per chunk
-        (``chkq.structure.plain_chunks``), else an empty list.
+        (``chkq.consolidation.checkpoint_files.plain_chunks``), else an empty list.
     """
 
     name: str
@@ -113,9 +113,9 @@ class Plan:
     template of the output; ``temp_inode`` identifies the temporary output
     the planner created; ``out_dir_id`` is the run directory's device and
     inode; ``file_digests`` holds each file's
-    ``chkq.structure.FileScan.digest`` ("" where the scan took none);
+    ``chkq.consolidation.checkpoint_files.FileScan.digest`` ("" where the scan took none);
     ``libver`` holds the library version bounds (h5py's ``libver``) under
-    which the output is written (``chkq.skeleton.format_bounds``): every
+    which the output is written (``chkq.consolidation.skeleton.format_bounds``): every
     open of it for writing uses them.
     """
 

@@ -12,12 +12,12 @@ import contextlib
 import uuid
 from pathlib import Path
 
-from chkq.copy_rows import copy_unit
-from chkq.finalize import discard_job_files, link_output, remove_checkpoints
-from chkq.merge import merge_parts, remove_parts
-from chkq.output_check import check_plan_output
-from chkq.planner import DEFAULT_BLOCK_BYTES, prepare
-from chkq.verify_rows import digests_by_dataset, verify_files
+from chkq.consolidation.copy_rows import copy_unit
+from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
+from chkq.consolidation.merge import merge_parts, remove_parts
+from chkq.consolidation.output_check import check_plan_output
+from chkq.consolidation.prepare import DEFAULT_BLOCK_BYTES, prepare
+from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
 
 
 def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,

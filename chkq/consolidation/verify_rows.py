@@ -20,15 +20,27 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5r
 
-from chkq import vlen
-from chkq.copy_rows import chunk_starts, open_output_fd, open_source, same_pipeline
+from chkq.consolidation import vlen
+from chkq.consolidation.checkpoint_files import open_checkpoint_id
+from chkq.consolidation.copy_rows import (
+    chunk_starts,
+    open_output_fd,
+    open_source,
+    same_pipeline,
+)
+from chkq.consolidation.h5types import is_variable
+from chkq.consolidation.plan import DatasetPlan, Plan
+from chkq.consolidation.rowio import (
+    as_bytes,
+    block_rows,
+    digest_rows,
+    read_into,
+    read_rows,
+    same_bytes,
+)
+from chkq.consolidation.stamps import check_descriptor
 from chkq.errors import OutputMismatchError
-from chkq.h5types import is_variable
-from chkq.plan import DatasetPlan, Plan
-from chkq.rowio import as_bytes, block_rows, digest_rows, read_into, read_rows, same_bytes
 from chkq.rundir import READ, RunDir, fd_path
-from chkq.stamps import check_descriptor
-from chkq.structure import open_checkpoint_id
 
 Progress = Callable[[int], None]
 
@@ -280,8 +292,8 @@ def _open_output(plan: Plan) -> tuple[RunDir, int, h5f.FileID]:
 def file_digest(plan: Plan, file_index: int, windows: Windows) -> str:
     """The digest of the output's rows of one file, as its scan digested the file's own.
 
-    (:attr:`chkq.structure.FileScan.digest`: every dataset in name order,
-    :func:`chkq.rowio.digest_rows`; the rows are read through HDF5, in the
+    (:attr:`chkq.consolidation.checkpoint_files.FileScan.digest`: every dataset in name order,
+    :func:`chkq.consolidation.rowio.digest_rows`; the rows are read through HDF5, in the
     windows that the other files of the unit share.)
     """
     digest = hashlib.sha256()

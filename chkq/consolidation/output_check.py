@@ -1,6 +1,6 @@
 """Checking the whole output against its template, independently of how it was written.
 
-Row verification (``chkq.verify_rows``) proves the rows of extensible
+Row verification (``chkq.consolidation.verify_rows``) proves the rows of extensible
 datasets. This module proves everything else before the output is linked:
 the output must equal the template (the final checkpoint's first file) in
 every link (hard, soft, external; which names share one object), the
@@ -29,12 +29,12 @@ import h5py
 import numpy as np
 from h5py import h5a, h5d, h5f, h5g, h5l, h5o, h5p, h5r, h5s, h5t, h5z
 
+from chkq.consolidation.checkpoint_files import MAX_DEPTH, MIN_HOLD_BYTES, open_checkpoint_id
+from chkq.consolidation.h5types import is_variable
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.stamps import check_descriptor, check_same, open_unchanged
 from chkq.errors import OutputMismatchError
-from chkq.h5types import is_variable
-from chkq.plan import Plan
 from chkq.rundir import READ
-from chkq.stamps import check_descriptor, check_same, open_unchanged
-from chkq.structure import MAX_DEPTH, MIN_HOLD_BYTES, open_checkpoint_id
 
 MAX_LISTED = 5
 #: Object header flag (version 2 headers): the object tracks its attributes' creation order.
