@@ -94,9 +94,16 @@ CHKQ = str(Path(sys.executable).with_name("chkq"))
 RUNS: dict[str, RunShape] = {
     **BASE_RUNS,
     "big4": RunShape(checkpoints=8, trials=4 * 7600, spec_columns=1024),
+    "big16": RunShape(checkpoints=8, trials=16 * 7600, spec_columns=1024),
     "small20k": RunShape(checkpoints=20000, trials=1, spec_columns=32),
 }
 SCALE_RUNS = ("big4", "small20k")
+#: Uncompressed runs of growing size (~0.5, 2, 8 GB) whose CLI and cp times give the fixed
+#: cost of a job and the marginal cost per GB; ``big16`` (8 GB) runs only when named.
+SIZE_RUNS = ("big", "big4", "big16")
+#: Goals: fixed cost at most this many import floors; marginal cost per GB at most this
+#: many times cp's.
+FIXED_LIMIT, MARGINAL_LIMIT = 2.0, 1.5
 #: The netCDF-4 run: files, records per file, width of the 2-D record variable.
 NC_FILES, NC_RECORDS, NC_COLUMNS, NC_CHUNK = 8, 7888, 1024, 256
 #: The small-chunk gzip run: files, rows per file, and its extensible datasets
@@ -119,6 +126,7 @@ CONTENDERS: dict[str, tuple[str, ...]] = {
     "small": ("cli", "nowait", "inproc", "serial", "cp"),
     "netcdf": ("cli", "ncrcat"),
     "big4": ("cli", "serial", "cp"),
+    "big16": ("cli", "cp"),
     "small20k": ("cli", "serial", "cp"),
 }
 
@@ -591,6 +599,7 @@ def import_profile(env: dict[str, str], rounds: int = 3) -> dict[str, float]:
     ``--version`` loads), and what ``consolidate`` loads (client, Celery app)."""
     cases = {
         "python -c pass": [PYTHON, "-c", "pass"],
+        "import floor: import celery, redis": [PYTHON, "-c", "import celery, redis"],
         "import chkq.workers.cli": [PYTHON, "-c", "import chkq.workers.cli"],
         "+ chkq.workers.client (consolidate)": [
             PYTHON, "-c", "import chkq.workers.cli, chkq.workers.client"],
@@ -715,6 +724,45 @@ def summarize_stacks(path: Path, label: str, limit: int = 14) -> None:
 
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line through ``(x, y)`` points: (intercept, slope)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def size_cost(med: dict[tuple[str, str], float], sizes: dict[str, tuple[int, int, int]],
+              imports: dict[str, float]) -> None:
+    """The fixed cost of a job and the marginal cost per GB, from the uncompressed runs.
+
+    A line through (GB, median CLI seconds) of the runs of :data:`SIZE_RUNS`
+    that ran: its intercept is the fixed cost of a job, compared with the
+    import floor (a fresh interpreter importing celery and redis, measured in
+    the same run); its slope the marginal cost per GB, compared with the
+    slope of ``cp -r`` + sync through the same runs.
+    """
+    runs = [r for r in SIZE_RUNS if (r, "cli") in med and (r, "cp") in med]
+    if len(runs) < 2:
+        return
+    gb = {r: sizes[r][1] / 1e9 for r in runs}
+    fixed, per_gb = fit([(gb[r], med[r, "cli"]) for r in runs])
+    cp_fixed, cp_per_gb = fit([(gb[r], med[r, "cp"]) for r in runs])
+    floor = imports.get("import floor: import celery, redis", float("nan"))
+    used = ", ".join(f"{r} {gb[r]:.2f} GB" for r in runs)
+    print(f"# sizes fitted ({used}): CLI = {fixed:.3f} s + {per_gb:.3f} s/GB; "
+          f"cp -r + sync = {cp_fixed:.3f} s + {cp_per_gb:.3f} s/GB")
+    text = f"fixed cost of a job (intercept) <= {FIXED_LIMIT:g}x import floor ({floor:.3f} s)"
+    print(f"{text:58s} {fixed / floor:7.3f} {FIXED_LIMIT:6.2f}  "
+          f"{'MET' if fixed / floor <= FIXED_LIMIT else 'NOT MET'}  ({fixed:.3f} s)")
+    text = f"marginal cost per GB <= {MARGINAL_LIMIT:g}x cp's"
+    ratio = per_gb / cp_per_gb
+    print(f"{text:58s} {ratio:7.3f} {MARGINAL_LIMIT:6.2f}  "
+          f"{'MET' if ratio <= MARGINAL_LIMIT else 'NOT MET'}  ({per_gb:.3f} vs "
+          f"{cp_per_gb:.3f} s/GB)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -908,6 +956,7 @@ def report(samples: dict[tuple[str, str], list[Sample]],
             scale = 1 if unit == "GB" else 1000
             print(f"# flat per {unit}: CLI {small} {a * scale:.3f}, {large} {b * scale:.3f} "
                   f"{'s' if unit == 'GB' else 'ms'}/{unit} (ratio {b / a:.2f})")
+    size_cost(med, sizes, imports)
     print("\n".join(rss_lines))
 
     if breakdowns:
