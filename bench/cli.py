@@ -95,6 +95,7 @@ RUNS: dict[str, RunShape] = {
     **BASE_RUNS,
     "big4": RunShape(checkpoints=8, trials=4 * 7600, spec_columns=1024),
     "big16": RunShape(checkpoints=8, trials=16 * 7600, spec_columns=1024),
+    "tiny": RunShape(checkpoints=4, trials=200),
     "small20k": RunShape(checkpoints=20000, trials=1, spec_columns=32),
 }
 SCALE_RUNS = ("big4", "small20k")
@@ -127,6 +128,7 @@ CONTENDERS: dict[str, tuple[str, ...]] = {
     "netcdf": ("cli", "ncrcat"),
     "big4": ("cli", "serial", "cp"),
     "big16": ("cli", "cp"),
+    "tiny": ("cli",),
     "small20k": ("cli", "serial", "cp"),
 }
 
@@ -745,13 +747,18 @@ def size_cost(med: dict[tuple[str, str], float], sizes: dict[str, tuple[int, int
     the same run); its slope the marginal cost per GB, compared with the
     slope of ``cp -r`` + sync through the same runs.
     """
+    floor = imports.get("import floor: import celery, redis", float("nan"))
+    if ("tiny", "cli") in med:
+        tiny = med["tiny", "cli"]
+        text = f"fixed cost: a tiny job's CLI <= {FIXED_LIMIT:g}x import floor ({floor:.3f} s)"
+        print(f"{text:58s} {tiny / floor:7.3f} {FIXED_LIMIT:6.2f}  "
+              f"{'MET' if tiny / floor <= FIXED_LIMIT else 'NOT MET'}  ({tiny:.3f} s)")
     runs = [r for r in SIZE_RUNS if (r, "cli") in med and (r, "cp") in med]
     if len(runs) < 2:
         return
     gb = {r: sizes[r][1] / 1e9 for r in runs}
     fixed, per_gb = fit([(gb[r], med[r, "cli"]) for r in runs])
     cp_fixed, cp_per_gb = fit([(gb[r], med[r, "cp"]) for r in runs])
-    floor = imports.get("import floor: import celery, redis", float("nan"))
     used = ", ".join(f"{r} {gb[r]:.2f} GB" for r in runs)
     print(f"# sizes fitted ({used}): CLI = {fixed:.3f} s + {per_gb:.3f} s/GB; "
           f"cp -r + sync = {cp_fixed:.3f} s + {cp_per_gb:.3f} s/GB")
@@ -768,7 +775,7 @@ def size_cost(med: dict[tuple[str, str], float], sizes: dict[str, tuple[int, int
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds per run")
-    parser.add_argument("--runs", default="big,gzip,gzsmall,small,netcdf")
+    parser.add_argument("--runs", default="tiny,big,gzip,gzsmall,small,netcdf")
     parser.add_argument("--scale", action="store_true",
                         help="also the big4 (~2 GB) and small20k (20,000 files) runs")
     parser.add_argument("--scale-repeat", type=int, default=1,
