@@ -14,6 +14,7 @@ from chkq import CheckpointCorruptionError
 from chkq.log import CheckpointLog
 from chkq.log.delta import compress_full
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
+from chkq.stores.faults import FaultyStore
 
 MiB = 1 << 20
 LOCAL = pytest.mark.parametrize("store", ["file", "memory"], indirect=True)
@@ -191,31 +192,23 @@ def test_missing_payload_is_corruption(store: CheckpointStore) -> None:
         cold(log).load(a)
 
 
-class CountingStore(MemoryStore):
-    """A memory store that counts reads of payload and head-copy objects."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads: list[str] = []
-
-    def _get(self, key: str) -> bytes:
-        if "/records/" not in key:
-            self.reads.append(key)
-        return super()._get(key)
-
-
 def test_cache_avoids_rereading_the_parent() -> None:
-    store = CountingStore()
+    store = FaultyStore(MemoryStore())
     log = CheckpointLog(store, "run")
     data = blob(100_000, 11)
     parent = None
     for i in range(5):
         parent = log.commit(data, parent)
         data = mutate(data, 0.01, i)
-    assert store.reads == []
+
+    def reads() -> list[str]:
+        return [key for operation, key in store.calls
+                if operation in ("get", "get_at_most") and "/records/" not in key]
+
+    assert reads() == []
     tiny = CheckpointLog(store, "run", cache_bytes=1)
     assert tiny.load(parent) == log.load(parent)
-    assert store.reads == [log.head_copy_key(parent)]
+    assert reads() == [log.head_copy_key(parent)]
 
 
 def _commit_sequence(url: str, size: int, count: int, barrier: object) -> list[str]:
@@ -285,31 +278,19 @@ def test_gc_removes_only_old_unreferenced_payloads(store: CheckpointStore) -> No
     _assert_consistent(cold(log))
 
 
-class GcDuringCommitStore(MemoryStore):
-    """Runs a garbage collection between a writer's payload and record writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.collector: CheckpointLog | None = None
-        self.collected: list[str] = []
-
-    def _put_if_absent(self, key: str, data: bytes) -> bool:
-        if self.collector is not None and "/records/" in key:
-            collector, self.collector = self.collector, None
-            self.collected += collector.gc(older_than=0)
-        return super()._put_if_absent(key, data)
-
-
 def test_commit_survives_gc_of_a_reused_orphan_payload() -> None:
-    store = GcDuringCommitStore()
+    """A garbage collection runs between the writer's payload and record writes."""
+    store = FaultyStore(MemoryStore())
     log = CheckpointLog(store, "run")
     data = blob(10_000, 14)
     checkpoint = hashlib.sha256(data).hexdigest()
     orphan = log.payload_key(checkpoint, "full", None)
     log.store.put_if_absent(orphan, compress_full(data))
-    store.collector = CheckpointLog(store, "run")
+    collected: list[str] = []
+    store.before("put_if_absent", lambda operation, key: collected.extend(
+        CheckpointLog(store.inner, "run").gc(older_than=0)), "/records/")
     assert log.commit(data) == checkpoint
-    assert store.collected == [orphan], "the orphan was collected mid-commit"
+    assert collected == [orphan], "the orphan was collected mid-commit"
     assert cold(log).load(checkpoint) == data
 
 
@@ -320,16 +301,14 @@ def test_racing_writers_with_different_parents_leave_no_orphans() -> None:
     a = log.commit(data)
     b = log.commit(mutate(data, 0.2, 1), a)
     target = mutate(data, 0.01, 2)
+    interleaved = FaultyStore(store)
 
-    class Interleaved(MemoryStore):
-        """The other writer commits ``target`` on ``b`` just before our record write."""
+    def other_writer(operation: str, key: str) -> None:
+        if not store.exists(key):
+            CheckpointLog(store, "run").commit(target, b)
 
-        def _put_if_absent(self, key: str, payload: bytes) -> bool:
-            if "/records/" in key and not super()._exists(key):
-                CheckpointLog(store, "run").commit(target, b)
-            return super()._put_if_absent(key, payload)
-
-    racer = CheckpointLog(Interleaved(store.url.removeprefix("memory://")), "run")
+    interleaved.before("put_if_absent", other_writer, "/records/", times=None)
+    racer = CheckpointLog(interleaved, "run")
     assert racer.commit(target, a) == hashlib.sha256(target).hexdigest()
     record = log.record(hashlib.sha256(target).hexdigest())
     assert record.parent == b

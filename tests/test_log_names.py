@@ -17,6 +17,7 @@ from chkq.log import CheckpointLog
 from chkq.log.delta import compress_full
 from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
+from chkq.stores.faults import FaultyStore
 from chkq.workers.cli import main as chkq_main
 from tests.plugins.object_stores import BUCKET
 
@@ -224,40 +225,6 @@ def test_a_malformed_record_is_reported_and_the_rest_lists_and_restores(
 # gc against concurrent commits ---------------------------------------------------
 
 
-class Interleaving(MemoryStore):
-    """Runs a commit of ``data`` from another handle just before the gc's n-th store call
-    on the orphan payload (get, put aside, delete, ...), to try every interleaving."""
-
-    def __init__(self, name: str, orphan: str, data: bytes, at: int) -> None:
-        super().__init__(name)
-        self.orphan, self.data, self.at, self.calls = orphan, data, at, 0
-        self.fired = False
-
-    def _hook(self, key: str) -> None:
-        watched = (self.orphan.rsplit("/", 1)[1], f"{sha(self.data)}.json")
-        if key.endswith(watched) and not self.fired:
-            self.calls += 1
-            if self.calls == self.at:
-                self.fired = True
-                CheckpointLog(MemoryStore(self._name), "run").commit(self.data)
-
-    def _get(self, key: str) -> bytes:
-        self._hook(key)
-        return super()._get(key)
-
-    def _put(self, key: str, data: bytes) -> None:
-        self._hook(key)
-        super()._put(key, data)
-
-    def _delete(self, key: str) -> None:
-        self._hook(key)
-        super()._delete(key)
-
-    def _modified(self, key: str) -> float:
-        self._hook(key)
-        return super()._modified(key)
-
-
 def test_gc_never_deletes_a_payload_a_concurrent_commit_records() -> None:
     """A commit of the same bytes finds the old orphan and records it
     before each of gc's store calls on that payload or its record in turn (its first
@@ -269,9 +236,15 @@ def test_gc_never_deletes_a_payload_a_concurrent_commit_records() -> None:
         setup = CheckpointLog(MemoryStore(name), "run")
         orphan = setup.payload_key(checkpoint, "full", None)
         setup.store.put(orphan, compress_full(data))
-        store = Interleaving(name, orphan, data, at)
+        store = FaultyStore(MemoryStore(name))
+        watched = (orphan.rsplit("/", 1)[1], f"{checkpoint}.json")
+        other_writer = CheckpointLog(MemoryStore(name), "run")
+        commit = store.before(
+            {"get", "get_at_most", "put", "delete", "modified"},
+            lambda operation, key, other=other_writer: other.commit(data),
+            lambda key, watched=watched: key.endswith(watched), nth=at)
         CheckpointLog(store, "run").gc(older_than=0)
-        if not store.fired:
+        if not commit.fired:
             assert at == 8, "every interleaving up to gc's last call ran"
             continue
         view = CheckpointLog(MemoryStore(name), "run")

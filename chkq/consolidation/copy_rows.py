@@ -26,7 +26,13 @@ from h5py import h5d, h5f, h5s
 from chkq.consolidation.checkpoint_files import open_checkpoint_id
 from chkq.consolidation.chunk_encoding import ChunkEncoder, lossy_filter
 from chkq.consolidation.plan import CopyUnit, DatasetPlan, Plan
-from chkq.consolidation.rowio import ByteCopier, as_bytes, block_rows, read_into, start_writeback
+from chkq.consolidation.rowio import (
+    ByteCopier,
+    as_bytes,
+    block_rows,
+    read_padded,
+    start_writeback,
+)
 from chkq.consolidation.skeleton import create_extensible
 from chkq.consolidation.stamps import check_descriptor, open_unchanged
 from chkq.errors import BadCheckpointError
@@ -267,7 +273,7 @@ def _copy_raw(run: RunDir, plan: Plan, segments: dict[int, list[Segment]], stats
                     else:
                         assert fid is not None
                         _copy_through_hdf5(plan, d, h5d.open(fid, d.name.encode()), base, seg,
-                                           writer)
+                                           writer, d.offsets[file_index + 1] - base)
                     stats.rows += seg.stop - seg.start
                     stats.bytes += (seg.stop - seg.start) * d.row_bytes
                     if progress:
@@ -283,14 +289,17 @@ def _copy_raw(run: RunDir, plan: Plan, segments: dict[int, list[Segment]], stats
 
 
 def _copy_through_hdf5(plan: Plan, d: DatasetPlan, dsid: h5d.DatasetID, base: int,
-                       seg: Segment, writer: RawWriter) -> None:
-    """Read a segment's rows through HDF5 (any layout) and write them as raw bytes."""
+                       seg: Segment, writer: RawWriter, provides: int) -> None:
+    """Read a segment's rows through HDF5 (any layout) and write them as raw bytes.
+
+    ``provides``: the rows the file provides to the output (:func:`read_padded`).
+    """
     step = block_rows(d.row_bytes, plan.block_bytes)
     buffer = np.empty((min(step, seg.stop - seg.start), *d.trailing),
                       dtype=f"V{d.element_size}")
     for first in range(seg.start - base, seg.stop - base, step):
         rows = buffer[:min(step, seg.stop - base - first)]
-        read_into(dsid, first, rows)
+        read_padded(dsid, first, rows, provides)
         writer.write(d, base + first, rows)
 
 
@@ -504,9 +513,11 @@ def _copy_to_part(
                 try:
                     source = h5d.open(fid, d.name.encode())
                     stats.files += 1
-                    alike = same_pipeline(source, template.id) and all_chunks_stored(source)
+                    base = d.offsets[file_index]
+                    provides = d.offsets[file_index + 1] - base
+                    alike = (source.shape[0] == provides and same_pipeline(source, template.id)
+                             and all_chunks_stored(source))
                     for seg in file_segments:
-                        base = d.offsets[file_index]
                         lo, end = seg.start - base, seg.stop - base
                         moved_end = moved_rows(d, file_index, seg.start, seg.stop) if alike \
                             else seg.start
@@ -535,7 +546,7 @@ def _copy_to_part(
                                 flush()
                             take = min(len(buffer) - pending_rows, end - lo)
                             rows = buffer[pending_rows:pending_rows + take]
-                            read_into(source, lo, rows)
+                            read_padded(source, lo, rows, provides)
                             digest.update(as_bytes(rows))
                             pending_rows, lo = pending_rows + take, lo + take
                             stats.rows = written + pending_rows

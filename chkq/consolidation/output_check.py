@@ -7,8 +7,9 @@ every link (hard, soft, external; which names share one object), the
 creation order of links and attributes wherever it is tracked (as the
 order, not the numbers: HDF5 numbers a link anew whenever it is inserted),
 object kind, object comment, committed datatype, attribute (name, type,
-dataspace, bytes), dataset
-type, dataspace, creation properties and, for fixed datasets, values;
+dataspace, bytes), dataset type, dataspace, creation properties (each
+filter's id, flags, parameters and name among them) and, for fixed
+datasets, values;
 extensible datasets must have the planned row count; the userblock must
 match. References compare by the name of the object they point to.
 
@@ -125,7 +126,8 @@ def _token(info: Any) -> int:
 
 def compare_output(output: Path, template: Path, rows: dict[str, int],
                    raw_datasets: set[str], block_bytes: int = BLOCK_BYTES,
-                   opened: tuple[int, int] | None = None) -> list[str]:
+                   opened: tuple[int, int] | None = None,
+                   padding: dict[str, list[tuple[int, int]]] | None = None) -> list[str]:
     """Differences between ``output`` and ``template`` (empty when the output is right).
 
     Parameters
@@ -142,6 +144,9 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
         Descriptors of the output and the template, opened and checked by
         the caller (:func:`check_plan_output`): HDF5 then reads those files,
         and the paths only name them.
+    padding
+        Per extensible dataset, output rows ``(first, count)`` that must be
+        its fill value (records of a dimension a file's dataset lacked).
     """
     found: list[str] = []
     out_fd, ref_fd = opened or (None, None)
@@ -181,6 +186,8 @@ def compare_output(output: Path, template: Path, rows: dict[str, int],
             _compare_object(name, ref_file, out_file, rows, raw_datasets, block_bytes, found)
             if len(found) > 50:
                 break
+        for name, ranges in sorted((padding or {}).items()):
+            _compare_padding(name, ref_file, out_file, ranges, block_bytes, found)
     finally:
         out_fid.close()
         ref_fid.close()
@@ -195,9 +202,10 @@ def _open(path: Path, fd: int | None) -> h5f.FileID:
 
 def check_output(output: Path, template: Path, rows: dict[str, int],
                  raw_datasets: set[str], block_bytes: int = BLOCK_BYTES,
-                 opened: tuple[int, int] | None = None) -> None:
+                 opened: tuple[int, int] | None = None,
+                 padding: dict[str, list[tuple[int, int]]] | None = None) -> None:
     """Raise OutputMismatchError listing the first differences, if there are any."""
-    found = compare_output(output, template, rows, raw_datasets, block_bytes, opened)
+    found = compare_output(output, template, rows, raw_datasets, block_bytes, opened, padding)
     if found:
         more = f" (and {len(found) - MAX_LISTED} more)" if len(found) > MAX_LISTED else ""
         raise OutputMismatchError(
@@ -285,7 +293,10 @@ def check_plan_output(plan: Plan) -> None:
                 check_output(plan.job.temp, template,
                              rows={d.name: d.total for d in plan.datasets},
                              raw_datasets={d.name for d in plan.datasets if d.mode == "raw"},
-                             block_bytes=plan.block_bytes, opened=(out_fd, ref_fd))
+                             block_bytes=plan.block_bytes, opened=(out_fd, ref_fd),
+                             padding={d.name: [(d.offsets[f + 1] - count, count)
+                                               for f, count in d.padding]
+                                      for d in plan.datasets if d.padding})
                 check_same(template, plan.stamp(reference), os.fstat(ref_fd),
                            f"changed while job {plan.job_id} was running")
             finally:
@@ -345,6 +356,28 @@ def _compare_dataset(name: str, expected: h5d.DatasetID, actual: h5d.DatasetID,
         _compare_values(name, expected, actual, ref_file, out_file, block_bytes, found)
 
 
+def _compare_padding(name: str, ref_file: h5py.File, out_file: h5py.File,
+                     ranges: list[tuple[int, int]], block_bytes: int, found: list[str]) -> None:
+    """Rows given to a file's missing records of a dimension: each is the template's fill value.
+
+    The fill value is the one h5py reports for the template's dataset
+    (``Dataset.fillvalue``), and the rows are read through h5py's slicing,
+    so the check shares nothing with how they were written.
+    """
+    want, got = ref_file[name], out_file[name]
+    fill = np.asarray(want.fillvalue, dtype=want.dtype).tobytes()
+    row_elements = int(np.prod(want.shape[1:], dtype=np.int64))
+    step = max(1, (block_bytes // 4) // max(1, len(fill) * row_elements))
+    for first, count in ranges:
+        for lo in range(first, first + count, step):
+            hi = min(first + count, lo + step)
+            if hi > got.shape[0] or np.asarray(got[lo:hi]).tobytes() != fill * (
+                    (hi - lo) * row_elements):
+                found.append(f"dataset {name!r}: rows {first} to {first + count - 1}, "
+                             "records its file lacked, are not its fill value")
+                return
+
+
 def _dcpl_signature(dsid: h5d.DatasetID) -> dict[str, Any]:
     """Every creation property a reader can see, as plain values.
 
@@ -356,7 +389,10 @@ def _dcpl_signature(dsid: h5d.DatasetID) -> dict[str, Any]:
     signature: dict[str, Any] = {
         "layout": layout,
         "chunk": dcpl.get_chunk() if layout == h5d.CHUNKED else None,
-        "filters": [tuple(dcpl.get_filter(i)[:3]) for i in range(dcpl.get_nfilters())],
+        # Each filter's id, flags, parameters (what its chunks decode under) and name.
+        "filters": [(code, flags, tuple(values), bytes(name))
+                    for code, flags, values, name in (dcpl.get_filter(i)
+                                                      for i in range(dcpl.get_nfilters()))],
         "alloc_time": dcpl.get_alloc_time(),
         "fill_time": dcpl.get_fill_time(),
         "fill_defined": dcpl.fill_value_defined(),

@@ -69,6 +69,11 @@ class DatasetPlan:
         Raw mode, by file: the file offsets of the source's chunks in row
         order when they hold plain rows with the output's rows per chunk
         (``chkq.consolidation.checkpoint_files.plain_chunks``), else an empty list.
+    padding
+        ``[file index, rows]`` for each file that provides more rows than it
+        stores (records of a dimension its longest dataset has and this one
+        lacks, ``chkq.consolidation.prepare.record_padding``): its last
+        ``rows`` output rows are the dataset's fill value.
     """
 
     name: str
@@ -80,6 +85,7 @@ class DatasetPlan:
     element_size: int
     chunk_offsets: list[int] = field(default_factory=list)
     source_chunks: list[list[int]] = field(default_factory=list)
+    padding: list[list[int]] = field(default_factory=list)
 
     @property
     def total(self) -> int:

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h5py import h5a, h5d, h5f, h5o, h5t
+import numpy as np
+from h5py import h5a, h5d, h5ds, h5f, h5i, h5o, h5t
 
 from chkq.consolidation.checkpoint_files import (
     MIN_HOLD_BYTES,
+    UNWRITTEN_SLACK,
     FileScan,
     check_same_structure,
     open_checkpoint_id,
@@ -33,15 +36,20 @@ from chkq.consolidation.discovery import (
     check_out_dir,
     find_checkpoints,
 )
-from chkq.consolidation.h5types import describe_type, element_count, has_reference
+from chkq.consolidation.h5types import describe_type, element_count, has_reference, is_variable
 from chkq.consolidation.plan import (
     DatasetPlan,
     Plan,
     cut_copy_units,
     cut_verify_units,
-    offsets_of,
 )
-from chkq.consolidation.skeleton import create_skeleton, dataset_mode, output_access
+from chkq.consolidation.rowio import fill_element
+from chkq.consolidation.skeleton import (
+    create_skeleton,
+    dataset_mode,
+    output_access,
+    recreation_plist,
+)
 from chkq.consolidation.stamps import FileStamp, check_same, open_unchanged, stamp_of
 from chkq.consolidation.temporaries import JobFiles
 from chkq.errors import BadCheckpointError, BadMessageError, NoCheckpointsError, OutputExistsError
@@ -60,7 +68,9 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
     ------
     ValueError
         Naming the dataset and what chkq does not support (references of
-        the new, 1.12-style kind in rows: they cannot be re-pointed), or
+        the new, 1.12-style kind in rows: they cannot be re-pointed; filters
+        whose stored parameters a dataset created anew would not get,
+        :func:`chkq.consolidation.skeleton.recreation_plist`), or
         what cannot be checked within ``block_bytes``
         (:func:`check_template_memory`).
     """
@@ -76,9 +86,13 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
                     f"extensible dataset '/{name}' of {str(reference)!r} holds references "
                     f"inside a {describe_type(tid)} type, or of a kind chkq cannot re-point")
             shape = dsid.shape
+            mode = dataset_mode(dsid)
+            if mode == "chunks":
+                # Copy tasks encode this dataset's chunks in part files created anew.
+                recreation_plist(dsid, f"extensible dataset '/{name}' of {str(reference)!r}")
             datasets.append(DatasetPlan(
                 name=name,
-                mode=dataset_mode(dsid),
+                mode=mode,
                 offsets=totals[name],
                 row_bytes=tid.get_size() * element_count(shape[1:]),
                 chunk=list(dsid.get_create_plist().get_chunk()),
@@ -210,6 +224,174 @@ def _refuse_external_template(fid: h5f.FileID, reference: Path) -> None:
         if kind == h5o.TYPE_DATASET:
             refuse_outside_storage(reference, name.decode("utf-8", "surrogateescape"),
                                    h5d.open(fid, name).get_create_plist())
+
+
+#: How netCDF-4 names a dimension scale that is not a variable (its length means nothing:
+#: netCDF-C leaves it at 0 and takes an unlimited dimension's length from its variables).
+_NETCDF_PHONY_SCALE = b"This is a netCDF dimension but not a netCDF variable"
+
+
+def record_groups(fid: h5f.FileID, names: list[str]) -> dict[str, list[str]]:
+    """Extensible datasets that share an extensible dimension scale on their first axis.
+
+    Keyed by the scale's name; the members are the datasets attached to it
+    on axis 0 (``DIMENSION_LIST``) and the scale itself when it is one of
+    ``names`` and a variable (not netCDF-4's stand-in for a dimension
+    without a coordinate variable). Their rows are records of one dimension:
+    row ``i`` of each belongs with row ``i`` of the others (netCDF-4's
+    unlimited dimensions, ``h5py``'s ``dims``). An attachment HDF5 cannot
+    read is left out (the output keeps the template's attributes as they are).
+    """
+    extensible = set(names)
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+        scales: list[h5d.DatasetID] = []
+        try:
+            if h5ds.get_num_scales(dsid, 0) > 0:
+                h5ds.iterate(dsid, 0, scales.append)
+        except (ValueError, RuntimeError, OSError, KeyError, TypeError):
+            continue
+        for scale in scales:
+            scale_name = (h5i.get_name(scale) or b"").decode("utf-8", "surrogateescape")
+            scale_name = scale_name.lstrip("/")
+            if scale_name not in extensible:
+                continue
+            members = groups.setdefault(scale_name, [])
+            if not members and not _phony_scale(scale):
+                members.append(scale_name)
+            if name not in members:
+                members.append(name)
+    return {scale: members for scale, members in groups.items() if len(members) > 1}
+
+
+def _phony_scale(scale: h5d.DatasetID) -> bool:
+    """Whether a dimension scale is netCDF-4's stand-in for a dimension with no variable."""
+    try:
+        if not h5a.exists(scale, b"NAME"):
+            return False
+        attr = h5a.open(scale, b"NAME")
+        value = np.zeros((), dtype=f"S{max(1, attr.get_type().get_size())}")
+        attr.read(value, mtype=attr.get_type())
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError):
+        return False
+    return bytes(value).startswith(_NETCDF_PHONY_SCALE)
+
+
+def record_padding(reference: Path, scans: list[FileScan], template: int | None = None,
+                   open_file: Callable[[int], int] | None = None) -> dict[str, dict[int, int]]:
+    """Rows of fill value each file's shorter records of a dimension get, keeping records aligned.
+
+    A netCDF-4 file may hold record variables of different lengths (the
+    unlimited dimension's length is the longest's; readers see the missing
+    records of the others as their fill value). Concatenated one by one, a
+    shorter variable in any file but the run's last would have its later
+    records shifted against the other variables of its dimension. So, as
+    ``ncrcat`` does, in every file but the last each dataset of a record
+    group (:func:`record_groups`, the template's, open as ``template``) is
+    given as many rows as the group's longest there: the rows it lacks are
+    its fill value (:func:`chkq.consolidation.rowio.read_padded`). The run's
+    last file keeps its rows as they are (readers of the output see its
+    missing records as the fill value, as in the file).
+
+    ``open_file(i)`` opens file ``i`` of ``scans`` as planned (its stamp
+    checked) and returns a descriptor, closed here once the file is
+    checked; without it, files are opened by path.
+
+    Returns
+    -------
+    Per dataset, per file index, the rows of fill value that file provides
+    after its own (only where there are any).
+
+    Raises
+    ------
+    BadCheckpointError
+        Naming the file, the dimension and each dataset's rows where padding
+        cannot be exact: a dataset of variable-length data or references, one
+        with no fill value (or another than the template's), or more padding
+        than :data:`UNWRITTEN_SLACK` bytes in one file.
+    """
+    fid = open_checkpoint_id(reference, template)
+    try:
+        groups = record_groups(fid, scans[0].extensible)
+        fills: dict[str, bytes] = {}
+        padding: dict[str, dict[int, int]] = {}
+        for index, scan in enumerate(scans[:-1]):
+            for scale, members in groups.items():
+                counts = {name: scan.rows.get(name, 0) for name in members}
+                longest = max(counts.values())
+                for name, count in counts.items():
+                    if count == longest:
+                        continue
+                    shown = ", ".join(f"'/{n}' {c}" for n, c in counts.items())
+                    where = (f"checkpoint file {str(scan.path)!r} holds records of dimension "
+                             f"'/{scale}' in datasets of different lengths ({shown} rows)")
+                    if name not in fills:
+                        fills[name] = _padding_fill(fid, name, where)
+                    padding.setdefault(name, {})[index] = longest - count
+        files_padded = sorted({f for pads in padding.values() for f in pads})
+    finally:
+        fid.close()
+    for index in files_padded:
+        scan = scans[index]
+        pads = {name: rows[index] for name, rows in padding.items() if index in rows}
+        _check_padding(scan, pads, fills, open_file(index) if open_file else None)
+    return padding
+
+
+def _padding_fill(fid: h5f.FileID, name: str, where: str) -> bytes:
+    """The template's fill value of dataset ``name``, which its missing records get."""
+    dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+    tid = dsid.get_type()
+    if is_variable(tid) or has_reference(tid):
+        raise BadCheckpointError(
+            f"{where}: '/{name}' holds variable-length data or references, which chkq "
+            "cannot give fill-value records to keep them aligned with the others")
+    try:
+        return fill_element(dsid)
+    except ValueError as exc:
+        raise BadCheckpointError(
+            f"{where}: '/{name}' cannot be given fill-value records to keep it aligned with "
+            f"the others: {exc}") from None
+
+
+def _check_padding(scan: FileScan, pads: dict[str, int], fills: dict[str, bytes],
+                   fd: int | None) -> None:
+    """Refuse padding file ``scan`` cannot give exactly: another fill value, or too many bytes."""
+    fid = open_checkpoint_id(scan.path, fd)
+    try:
+        total = 0
+        for name, rows in pads.items():
+            dsid = h5d.open(fid, name.encode("utf-8", "surrogateescape"))
+            total += rows * dsid.get_type().get_size() * element_count(dsid.shape[1:])
+            try:
+                mine = fill_element(dsid)
+            except ValueError as exc:
+                mine = str(exc).encode()
+            if mine != fills[name]:
+                raise BadCheckpointError(
+                    f"dataset '/{name}' of checkpoint file {str(scan.path)!r} lacks {rows} "
+                    "records of its dimension, which would be its fill value, but its fill "
+                    "value is not the template's: chkq cannot align its records exactly")
+        if total > UNWRITTEN_SLACK:
+            raise BadCheckpointError(
+                f"checkpoint file {str(scan.path)!r} lacks {total} bytes of records its "
+                f"dimensions' longest datasets have (at most {UNWRITTEN_SLACK} bytes of rows "
+                "may be unwritten in a file): the file is damaged or forged")
+    finally:
+        fid.close()
+        if fd is not None:
+            os.close(fd)
+
+
+def padded_offsets(name: str, scans: list[FileScan],
+                   padding: dict[str, dict[int, int]]) -> list[int]:
+    """:func:`chkq.consolidation.plan.offsets_of`, each file's fill-value records included."""
+    pads = padding.get(name, {})
+    offsets = [0]
+    for index, scan in enumerate(scans):
+        offsets.append(offsets[-1] + scan.rows[name] + pads.get(index, 0))
+    return offsets
 
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
@@ -395,6 +577,7 @@ def discover_and_scan(out_dir: Path, model: str, *, allow_gaps: bool = False
     checkpoints = find_run(out_dir, model, allow_gaps=allow_gaps)
     scans = [scan_file(path, digest=False) for path in run_files(checkpoints)]
     check_same_structure(scans)
+    record_padding(checkpoints[-1].files[0], scans)
     return checkpoints, scans
 
 
@@ -453,8 +636,11 @@ def prepare(
         reference_stamp = scanned[len(scanned) - len(checkpoints[-1].files)].stamp
         template = open_unchanged(rundir, reference, reference_stamp, job_id)
         try:
+            padding = record_padding(
+                reference, scans, template,
+                lambda i: open_unchanged(rundir, scans[i].path, scanned[i].stamp, job_id))
             datasets = describe_template(reference, names,
-                                         {n: offsets_of(n, scans) for n in names},
+                                         {n: padded_offsets(n, scans, padding) for n in names},
                                          block_bytes, template)
             check_lossy_chunks(reference, template, datasets, [s.scan.path for s in scanned])
             check_writable_dir(job.out_dir, "output directory")
@@ -471,7 +657,10 @@ def prepare(
         out_dir_id = rundir.identity()
     for d in datasets:
         d.chunk_offsets = layout.get(d.name, [])
-        d.source_chunks = [_plain_offsets(scan, d) for scan in scans]
+        pads = padding.get(d.name, {})
+        d.padding = [[index, rows] for index, rows in sorted(pads.items())]
+        d.source_chunks = [[] if index in pads else _plain_offsets(scan, d)
+                           for index, scan in enumerate(scans)]
     files = [[str(s.scan.path), *s.stamp.as_list()] for s in scanned]
     file_sizes = [
         sum((d.offsets[f + 1] - d.offsets[f]) * d.row_bytes for d in datasets)
@@ -488,7 +677,8 @@ def prepare(
         reference_file=str(reference),
         datasets=datasets,
         copy_units=cut_copy_units(datasets, len(files), task_bytes, task_files),
-        file_digests=[s.scan.digest for s in scanned],
+        file_digests=["" if any(i in pads for pads in padding.values()) else s.scan.digest
+                      for i, s in enumerate(scanned)],
         verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
         temp_inode=inode,
         out_dir_id=out_dir_id,

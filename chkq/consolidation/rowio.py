@@ -114,6 +114,48 @@ def read_into(dsid: h5d.DatasetID, start: int, out: np.ndarray) -> None:
     dsid.read(mspace, fspace, out, mtype=dsid.get_type())
 
 
+def fill_element(dsid: h5d.DatasetID) -> bytes:
+    """The bytes (of the file type) of a dataset's fill value, the value of rows never written.
+
+    Raises
+    ------
+    ValueError
+        If the dataset defines no fill value, or its type has no fixed-size
+        form of it that numpy holds byte for byte.
+    """
+    dcpl = dsid.get_create_plist()
+    if dcpl.fill_value_defined() == h5d.FILL_VALUE_UNDEFINED:
+        raise ValueError("it defines no fill value")
+    size = dsid.get_type().get_size()
+    try:
+        value = np.zeros((), dtype=dsid.dtype)
+        dcpl.get_fill_value(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"its fill value cannot be read ({exc})") from None
+    raw = value.tobytes()
+    if value.dtype.hasobject or len(raw) != size:
+        raise ValueError("its type has no fixed-size fill value")
+    return raw
+
+
+def read_padded(dsid: h5d.DatasetID, start: int, out: np.ndarray, provides: int) -> None:
+    """:func:`read_into` for a source file that provides ``provides`` rows to the output.
+
+    A file may provide more rows of a dataset than it stores: the records
+    of a dimension its longest dataset has and this one lacks, which read
+    as its fill value (:func:`fill_element`). Rows at or past its extent
+    are that value; any other read is :func:`read_into`'s.
+    """
+    stored = dsid.shape[0]
+    end = start + len(out)
+    if end <= stored or provides <= stored or end > provides:
+        read_into(dsid, start, out)
+        return
+    inside = max(0, stored - start)
+    read_into(dsid, start, out[:inside])
+    out[inside:] = np.frombuffer(fill_element(dsid), dtype=out.dtype)[0]
+
+
 def start_writeback(fd: int) -> None:
     """Ask the kernel to start writing ``fd``'s dirty pages now, without waiting.
 

@@ -33,16 +33,18 @@ import ctypes
 import errno
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5, h5a, h5d, h5g, h5o, h5p, h5s, h5t
+from h5py import h5, h5a, h5d, h5f, h5g, h5o, h5p, h5s, h5t, h5z
 
 from chkq.consolidation.checkpoint_files import open_checkpoint_id, stored_chunks, walk_objects
 from chkq.consolidation.h5types import has_reference, is_variable, opaque_dtype
 from chkq.consolidation.rowio import ByteCopier
 from chkq.consolidation.vlen import reclaim
+from chkq.errors import BadCheckpointError
 from chkq.rundir import CREATE, RunDir, fd_path
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
@@ -120,16 +122,164 @@ def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
                 reclaim(tid, space, value)
 
 
+Filter = tuple[int, int, tuple[int, ...]]
+
+#: The caller's parameters of filters whose "set local" step rewrites them, from the
+#: stored ones: bitshuffle and SZ/SZ3 put what they derive (versions, element size, rank
+#: and chunk shape) before them; SPERR keeps the first, packs the second (its mode for
+#: missing values) into a word of its own (bits 6 to 9) and adds the chunk shape. Tried first,
+#: so that :func:`recreation_plist` needs no failing attempt for these.
+_CALLER_PARAMETERS: dict[int, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
+    32008: lambda values: values[3:],                                    # bitshuffle
+    32017: lambda values: values[2 + values[0]:] if values else values,  # SZ
+    32024: lambda values: values[2 + values[0]:] if values else values,  # SZ3
+    32028: lambda values: ((values[1], values[0] >> 6 & 0xF) if len(values) > 1  # SPERR
+                           else values),
+}
+
+
+def stored_filters(dcpl: h5p.PropDCID) -> list[Filter]:
+    """Each filter of a pipeline as stored: its id, flags and parameters (``cd_values``)."""
+    return [(int(code), int(flags), tuple(int(v) for v in values))
+            for code, flags, values, _name in (dcpl.get_filter(i)
+                                               for i in range(dcpl.get_nfilters()))]
+
+
+def _with_filters(dcpl: h5p.PropDCID, filters: list[Filter]) -> h5p.PropDCID:
+    """A copy of ``dcpl`` whose pipeline is ``filters``, in order, as the caller's parameters."""
+    copy = dcpl.copy()
+    copy.remove_filter(h5z.FILTER_ALL)
+    for code, flags, values in filters:
+        copy.set_filter(code, flags, values)
+    return copy
+
+
+def _created_filters(fid: h5f.FileID, tid: h5t.TypeID, space: h5s.SpaceID,
+                     dcpl: h5p.PropDCID) -> list[Filter] | None:
+    """The pipeline HDF5 stores for a dataset created with ``dcpl`` (None if it refuses it)."""
+    try:
+        dsid = h5d.create(fid, None, tid, space, dcpl=dcpl)
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError):
+        return None
+    try:
+        return stored_filters(dsid.get_create_plist())
+    finally:
+        dsid.close()
+
+
+def _local_rest(code: int, values: tuple[int, ...]) -> tuple[int, ...]:
+    """The caller's part of a filter's stored parameters, where its set-local step is known."""
+    known = _CALLER_PARAMETERS.get(code)
+    return values if known is None else tuple(known(values))
+
+
+def _candidates(code: int, values: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Parameters that may give ``values`` once a filter's "set local" step has run on them.
+
+    The caller's part where the filter is known, then the stored values
+    themselves (most filters leave their parameters as they are), then
+    every other suffix and prefix of them (a set-local step adds what it
+    derives before or after the caller's parameters), each also followed by
+    a 0 (an option it leaves at its default and does not store).
+    """
+    found = [_local_rest(code, values), values]
+    found += [values[k:] for k in range(1, len(values) + 1)]
+    found += [values[:k] for k in range(len(values) - 1, -1, -1)]
+    found += [(*part, 0) for part in found]
+    return list(dict.fromkeys(found))
+
+
+def recreation_plist(source: h5d.DatasetID, where: str) -> h5p.PropDCID:
+    """Creation properties under which HDF5 creates a dataset whose filters are ``source``'s.
+
+    A dataset created with ``source``'s own creation properties gets its
+    filters' parameters through each filter's "set local" step again; some
+    (bitshuffle, SZ, SZ3) rewrite them there (adding versions, the element
+    size, the chunk shape before the caller's parameters), so the parameters
+    would be applied twice and chunks written under them would not decode
+    with ``source``'s. For each filter, in order, parameters are sought
+    whose "set local" result is ``source``'s stored ones, by creating
+    datasets in a file held in memory and reading back what HDF5 stored
+    (the library's own step decides, not a model of it).
+
+    Raises
+    ------
+    BadCheckpointError
+        If no such parameters are found, naming ``where`` (the dataset) and the filter.
+    """
+    dcpl = source.get_create_plist()
+    want = stored_filters(dcpl)
+    if not want:
+        return dcpl
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_fapl_core(backing_store=False)
+    scratch = h5f.create(f"chkq-filters-{secrets.token_hex(8)}".encode(), h5f.ACC_EXCL,
+                         fapl=fapl)
+    try:
+        tid = source.get_type()
+        extent = source.get_space()
+        space = h5s.create_simple((0, *extent.shape[1:]), extent.get_simple_extent_dims(True))
+        chosen = [(code, flags, _local_rest(code, values)) for code, flags, values in want]
+        if chosen == want and _created_filters(scratch, tid, space, dcpl) == want:
+            return dcpl
+        # One filter's parameters may make HDF5 refuse the whole pipeline, hiding whether
+        # another's are right: each pass fixes what it can, until nothing changes.
+        for _ in want:
+            for index, (code, flags, values) in enumerate(want):
+                got = _created_filters(scratch, tid, space, _with_filters(dcpl, chosen))
+                if got is not None and len(got) == len(want) and got[index] == want[index]:
+                    continue
+                for candidate in _candidates(code, values):
+                    trial = [*chosen[:index], (code, flags, candidate), *chosen[index + 1:]]
+                    got = _created_filters(scratch, tid, space, _with_filters(dcpl, trial))
+                    if got is not None and len(got) == len(want) and got[index] == want[index]:
+                        chosen = trial
+                        break
+            result = _with_filters(dcpl, chosen)
+            got = _created_filters(scratch, tid, space, result)
+            if got == want:
+                return result
+        wrong = next((i for i in range(len(want)) if got is None or len(got) != len(want)
+                      or got[i] != want[i]), 0)
+        raise BadCheckpointError(
+            f"{where} uses filter {want[wrong][0]} ({filter_label(dcpl, wrong)}) with "
+            f"parameters {list(want[wrong][2])} that the installed plugin's set-local step "
+            "does not produce (another version of the plugin wrote them, or they were set "
+            "without it): chkq cannot write chunks that decode like the template's")
+    finally:
+        scratch.close()
+
+
+def filter_label(dcpl: h5p.PropDCID, index: int) -> str:
+    """The name a pipeline gives its filter ``index`` ("unnamed" if none)."""
+    label = dcpl.get_filter(index)[3]
+    text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
+    return text or "unnamed"
+
+
 def create_extensible(group: h5py.Group, name: str, source: h5py.Dataset,
                       rows: int) -> h5py.Dataset:
     """Create ``name`` in ``group`` like ``source`` (type, creation properties), ``rows`` long.
 
-    Used for part files, whose chunks the merge step moves into the output.
+    Used for part files, whose chunks the merge step moves into the output
+    as they are stored: so the new dataset's filters must store exactly
+    ``source``'s parameters (:func:`recreation_plist`), which is checked.
+
+    Raises
+    ------
+    BadCheckpointError
+        If the filters' parameters cannot be made ``source``'s.
     """
+    where = f"dataset {source.name!r}"
+    dcpl = recreation_plist(source.id, where)
     maxshape = tuple(h5s.UNLIMITED if m is None else m for m in source.maxshape)
     space = h5s.create_simple((rows, *source.shape[1:]), maxshape)
-    dsid = h5d.create(group.id, name.encode(), source.id.get_type(), space,
-                      dcpl=source.id.get_create_plist())
+    dsid = h5d.create(group.id, name.encode(), source.id.get_type(), space, dcpl=dcpl)
+    got = stored_filters(dsid.get_create_plist())
+    want = stored_filters(source.id.get_create_plist())
+    if got != want:
+        raise BadCheckpointError(f"{where}: HDF5 stored the filters {got} for a copy of it, "
+                                 f"not its own {want}")
     return h5py.Dataset(dsid)
 
 

@@ -35,6 +35,7 @@ from chkq.consolidation.rowio import (
     block_rows,
     digest_rows,
     read_into,
+    read_padded,
     read_rows,
     same_bytes,
 )
@@ -323,7 +324,7 @@ def _compare_plain(d: DatasetPlan, dsid: h5d.DatasetID, window: OutputWindow,
     for lo in range(start, end, step):
         hi = min(end, lo + step)
         expected = source[:hi - lo]
-        read_into(dsid, lo - start, expected)
+        read_padded(dsid, lo - start, expected, end - start)
         actual = window.rows(lo, hi)
         if not same_bytes(expected, actual):
             bad = first_difference(expected, actual) or 0
@@ -352,7 +353,8 @@ def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
     expected_rows = np.empty_like(actual)
     for a, b, expected, kind in entries:
         if kind == "stored":
-            if _compare_stored(d, start, a, b, output.id, source.id):
+            if source.shape[0] == end - start and _compare_stored(d, start, a, b, output.id,
+                                                                  source.id):
                 continue
         elif kind == "rows":
             digest = hashlib.sha256()
@@ -364,7 +366,7 @@ def _compare_digests(plan: Plan, d: DatasetPlan, file_index: int,
                 continue
         for lo in range(a, b, step):
             hi = min(b, lo + step)
-            read_into(source.id, lo - start, expected_rows[:hi - lo])
+            read_padded(source.id, lo - start, expected_rows[:hi - lo], end - start)
             read_into(output.id, lo, actual[:hi - lo])
             bad = first_difference(expected_rows[:hi - lo], actual[:hi - lo])
             if bad is not None:

@@ -73,10 +73,8 @@ from __future__ import annotations
 import json
 import logging
 import stat
-import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -109,6 +107,7 @@ from chkq.log.records import (
 from chkq.log.signing import LogTrust
 from chkq.log.verify import ProgressCallback, VerifyReport
 from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
+from chkq.stores.cache import ByteLRU
 
 __all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_GC_AGE", "CheckpointLog"]
 
@@ -118,42 +117,6 @@ MiB = 1 << 20
 DEFAULT_CACHE_BYTES = 512 * MiB
 DEFAULT_GC_AGE = 24 * 3600.0
 """Default age (s) below which ``gc`` leaves unreferenced payloads alone."""
-
-
-class _LRUCache:
-    """Thread-safe LRU of checkpoint bytes, bounded by total size."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> bytes | None:
-        with self._lock:
-            value = self._items.get(key)
-            if value is not None:
-                self._items.move_to_end(key)
-            return value
-
-    def put(self, key: str, value: bytes) -> None:
-        if len(value) > self.capacity:
-            return
-        with self._lock:
-            old = self._items.pop(key, None)
-            if old is not None:
-                self._size -= len(old)
-            self._items[key] = value
-            self._size += len(value)
-            while self._size > self.capacity:
-                _, evicted = self._items.popitem(last=False)
-                self._size -= len(evicted)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._size = 0
-
 
 
 class CheckpointLog:
@@ -204,7 +167,7 @@ class CheckpointLog:
         self.keys = RunKeys(self.run_id)
         """The run's key layout (:mod:`chkq.log.keys`)."""
         self._root = self.keys.root
-        self._cache = _LRUCache(cache_bytes)
+        self._cache = ByteLRU(cache_bytes)
         self._records: dict[str, CheckpointRecord] = {}
         self.malformed: dict[str, str] = {}
         """Store keys of records and entries that could not be read, with why

@@ -8,9 +8,10 @@ existence, complete sorted listing and idempotent delete.  Concrete stores
 implement the underscore-prefixed hooks; the public methods validate keys
 once, here, so that no backend can be handed a key that escapes its root.
 
-The module also holds the single retry-with-backoff helper used by the
-network stores (S3 and GCS), so that both treat transient failures alike,
-and their bounded waits (:class:`StoreTimeouts`): every request has a
+The module also holds what the network stores (S3 and GCS) share, so that
+both treat transient failures and ambiguous conditional writes alike:
+:class:`BucketStore` (the one retry layer and the write-id read-back), the
+retry-with-backoff helper, and their bounded waits (:class:`StoreTimeouts`): every request has a
 connect and a read timeout, the client libraries' own retries are off, and
 one retry budget in seconds covers each whole operation, so that a store
 that stops answering fails with an error naming the store and the key in
@@ -23,23 +24,30 @@ from __future__ import annotations
 import builtins
 import contextlib
 import contextvars
+import errno
 import logging
 import os
 import random
+import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TypeVar
 
 from chkq.errors import ConfigurationError, InvalidKeyError, StoreNotFoundError, TransientStoreError  # noqa: F401 (re-exported)
 
 __all__ = [
+    "BucketStore",
     "CheckpointStore",
     "InvalidKeyError",
+    "PartsUpload",
     "StoreNotFoundError",
+    "StrayUpload",
     "StoreTimeouts",
     "TransientStoreError",
+    "VanishedAfterConflict",
     "overall_budget",
     "retry_transient",
     "validate_key",
@@ -362,6 +370,77 @@ class CheckpointStore(ABC):
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._get(key)[: limit + 1]
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Return ``length`` bytes of the object under ``key`` from offset ``start``.
+
+        Fewer bytes come back where the object ends (none from its end on),
+        as a file's ``pread`` would. Local, S3 and GCS stores read only the
+        range; the default reads the object.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        ValueError
+            If ``start`` or ``length`` is negative.
+        """
+        if start < 0 or length < 0:
+            raise ValueError(f"start and length must be >= 0, got {start} and {length}")
+        return self._get_range(validate_key(key), start, length)
+
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._get(key)[start : start + length]
+
+    def size(self, key: str) -> int:
+        """Return the size in bytes of the object under ``key``.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        return self._size(validate_key(key))
+
+    def _size(self, key: str) -> int:
+        return len(self._get(key))
+
+    def upload(self, key: str) -> PartsUpload:
+        """Start publishing one object under ``key`` from parts, create-if-absent.
+
+        Nothing is visible at ``key`` until :meth:`PartsUpload.complete`
+        succeeds, which never replaces an existing object; a failed or
+        abandoned upload leaves nothing but what :meth:`stray_uploads` lists
+        until it is aborted. S3 uses a multipart upload completed with
+        ``If-None-Match: *`` (ranges of other objects copied server-side),
+        GCS a compose of staged parts with ``ifGenerationMatch=0``, a local
+        directory a temporary file linked into place; the default buffers
+        the parts and makes one :meth:`put_if_absent`.
+        """
+        return self._upload(validate_key(key))
+
+    def _upload(self, key: str) -> PartsUpload:
+        return _BufferedUpload(self, key)
+
+    def stray_uploads(self, prefix: str = "") -> builtins.list[StrayUpload]:
+        """Uploads started and neither completed nor aborted, for keys under ``prefix``.
+
+        What a killed publisher leaves; :meth:`abort_upload` removes one.
+        A store that does not record an upload's key (a local directory)
+        lists every upload, with key ``""``, whatever the prefix. The
+        default store keeps no state across processes and has none.
+        """
+        return self._stray_uploads(validate_prefix(prefix))
+
+    def _stray_uploads(self, prefix: str) -> builtins.list[StrayUpload]:
+        return []
+
+    def abort_upload(self, stray: StrayUpload) -> None:
+        """Remove what the stray upload left (its parts); aborting twice is a no-op."""
+        self._abort_upload(stray)
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        return None
+
     def exists(self, key: str) -> bool:
         """Return whether an object is stored under ``key``."""
         return self._exists(validate_key(key))
@@ -426,3 +505,242 @@ class CheckpointStore(ABC):
 
     @abstractmethod
     def _modified(self, key: str) -> float: ...
+
+
+@dataclass(frozen=True)
+class StrayUpload:
+    """An upload that was started and neither completed nor aborted.
+
+    Attributes
+    ----------
+    key
+        The key it was to publish ("" where the store does not record it).
+    upload_id
+        The store's name for it.
+    started
+        When it was started (POSIX seconds).
+    """
+
+    key: str
+    upload_id: str
+    started: float
+
+
+class PartsUpload(ABC):
+    """One object being published from parts, in order; create-if-absent on completion.
+
+    Use it as a context manager: leaving the block without
+    :meth:`complete` (an exception, or a forgotten call) aborts it, so
+    nothing is published and the parts are removed.
+    """
+
+    copy_chunk = 8 << 20
+    """Bytes read at a time where a range is copied through the client."""
+
+    def __init__(self, store: CheckpointStore, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.size = 0
+        """Bytes added so far."""
+        self._finished = False
+
+    @abstractmethod
+    def _write(self, data: bytes) -> None: ...
+
+    @abstractmethod
+    def _complete(self) -> bool:
+        """Publish; True if created, False if an object already had the key."""
+
+    @abstractmethod
+    def _abort(self) -> None: ...
+
+    def _copy(self, source: str, start: int, length: int) -> None:
+        end = start + length
+        while start < end:
+            piece = self.store.get_range(source, start, min(self.copy_chunk, end - start))
+            if not piece:
+                break
+            self._write(piece)
+            start += len(piece)
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` to the object."""
+        self._check_open()
+        data = bytes(data)
+        if data:
+            self._write(data)
+            self.size += len(data)
+
+    def copy(self, source: str, start: int, length: int) -> None:
+        """Append ``length`` bytes of the object ``source`` from offset ``start``.
+
+        Server-side where the store can (S3 ``UploadPartCopy`` for ranges of
+        at least one part). The source must have that many bytes.
+
+        Raises
+        ------
+        KeyError
+            If ``source`` does not exist.
+        ValueError
+            If the range reaches past the source's end.
+        """
+        self._check_open()
+        validate_key(source)
+        if start < 0 or length < 0:
+            raise ValueError(f"start and length must be >= 0, got {start} and {length}")
+        available = self.store.size(source)
+        if start + length > available:
+            raise ValueError(f"store {self.store.url}: range {start}+{length} reaches past the "
+                             f"end of {source} ({available} bytes)")
+        if length:
+            self._copy(source, start, length)
+            self.size += length
+
+    def complete(self) -> None:
+        """Publish the object under its key if no object has that key.
+
+        Raises
+        ------
+        FileExistsError
+            If an object already has the key (left untouched; this upload is
+            aborted); the error names the store and key.
+        """
+        self._check_open()
+        try:
+            created = self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        if not created:
+            self.abort()
+            raise FileExistsError(errno.EEXIST, f"store {self.store.url}: {self.key} exists",
+                                  self.key)
+        self._finished = True
+
+    def abort(self) -> None:
+        """Drop the upload and its parts; nothing is published. A no-op once finished."""
+        if self._finished:
+            return
+        self._finished = True
+        self._abort()
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise ValueError(f"upload of {self.key} to {self.store.url} is already finished")
+
+    def __enter__(self) -> PartsUpload:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.abort()
+
+
+class _BufferedUpload(PartsUpload):
+    """Parts kept in a temporary file, published with one ``put_if_absent``."""
+
+    def __init__(self, store: CheckpointStore, key: str) -> None:
+        super().__init__(store, key)
+        self._buffer = tempfile.SpooledTemporaryFile(max_size=64 << 20)  # noqa: SIM115 (closed by complete or abort)
+
+    def _write(self, data: bytes) -> None:
+        self._buffer.write(data)
+
+    def _complete(self) -> bool:
+        self._buffer.seek(0)
+        return self.store.put_if_absent(self.key, self._buffer.read())
+
+    def _abort(self) -> None:
+        self._buffer.close()
+
+    def complete(self) -> None:
+        try:
+            super().complete()
+        finally:
+            self._buffer.close()
+
+
+class VanishedAfterConflict(Exception):
+    """A conditional create was refused for an object that was gone when read back.
+
+    The object that made the create fail was deleted in between (by garbage
+    collection, say): nothing was written and the create can be tried again,
+    so the retry layer of :class:`BucketStore` treats this as transient.
+    """
+
+
+class BucketStore(CheckpointStore):
+    """What the S3 and GCS stores share: one retry layer and the write-id read-back.
+
+    Subclasses set ``attempts`` and ``timeouts`` and say which of their client
+    library's exceptions are transient and which mean the bucket is missing.
+    """
+
+    attempts: int
+    timeouts: StoreTimeouts
+
+    @property
+    @abstractmethod
+    def bucket(self) -> str:
+        """The bucket name."""
+
+    @abstractmethod
+    def _is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` from the client library is worth another attempt."""
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        """Whether ``exc`` escaping an operation says the bucket does not exist."""
+        return False
+
+    def _retry(self, operation: Callable[[], T], what: str) -> T:
+        """Run ``operation`` under :func:`retry_transient` with this store's patience.
+
+        Raises
+        ------
+        StoreNotFoundError
+            If the bucket does not exist, naming the store and the bucket.
+        TransientStoreError
+            When the attempts or the budget are spent, naming the store and ``what``.
+        """
+        try:
+            return retry_transient(
+                operation,
+                is_transient=lambda exc: isinstance(exc, VanishedAfterConflict)
+                or self._is_transient(exc),
+                what=f"store {self.url}: {what}", attempts=self.attempts,
+                budget=self.timeouts.budget,
+            )
+        except Exception as exc:
+            if self._is_missing_bucket(exc):
+                raise StoreNotFoundError(
+                    f"store {self.url} does not exist (no bucket {self.bucket!r})") from None
+            raise
+
+    @staticmethod
+    def _written_by(metadata: Mapping[str, str] | None, write_id: str, name: str) -> bool:
+        """Whether the object a refused conditional create found is the caller's own.
+
+        A refusal (HTTP 412) is ambiguous: the client may have resent a
+        create whose first answer was lost, and the resend then fails
+        against the caller's own success.  Each conditional create stamps a
+        random write id in the object's metadata; the write is the caller's
+        if the object found carries that id.  Contents are not compared,
+        since content-addressed writers legitimately write identical bytes.
+
+        Parameters
+        ----------
+        metadata
+            The found object's custom metadata, or None if it is gone.
+        write_id
+            The id the caller's create stamped.
+        name
+            The object's name, for the error.
+
+        Raises
+        ------
+        VanishedAfterConflict
+            If the object is gone (``metadata`` is None): the create is retried.
+        """
+        if metadata is None:
+            raise VanishedAfterConflict(name)
+        return bool(metadata.get(WRITE_ID_METADATA) == write_id)

@@ -6,8 +6,7 @@ import contextlib
 import http.client
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import requests
 from google.api_core import exceptions as api_exceptions
@@ -17,16 +16,15 @@ from google.cloud import storage
 from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
-    CheckpointStore,
-    StoreNotFoundError,
+    BucketStore,
+    InvalidKeyError,
+    PartsUpload,
     StoreTimeouts,
+    StrayUpload,
     bucket_prefix,
-    retry_transient,
 )
 
 __all__ = ["GCSStore"]
-
-T = TypeVar("T")
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     api_exceptions.TooManyRequests,
@@ -45,12 +43,18 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
 )
 
 
-class _VanishedAfterConflict(Exception):
-    """A 412 named an object that was gone when read back: retry the write."""
+UPLOADS_DIR = ".chkq-uploads"
+"""Top-level name under the store's prefix for the parts of uploads in flight;
+never listed, never a key that can be written."""
+UPLOAD_KEY_METADATA = "chkq-upload-key"
+"""Metadata of a staged part naming the key its upload publishes."""
+MAX_COMPOSE = 32
+"""Most sources of one GCS compose request."""
+MiB = 1 << 20
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (*_TRANSIENT_TYPES, _VanishedAfterConflict)):
+    if isinstance(exc, _TRANSIENT_TYPES):
         return True
     response = getattr(exc, "response", None)
     status = getattr(response, "status_code", None)
@@ -65,7 +69,7 @@ def _make_client(project: str | None) -> storage.Client:
     return storage.Client(project=project)
 
 
-class GCSStore(CheckpointStore):
+class GCSStore(BucketStore):
     """Objects in a Google Cloud Storage bucket under an optional prefix.
 
     Credentials and project come from the environment (Application Default
@@ -77,8 +81,7 @@ class GCSStore(CheckpointStore):
     an upload whose response was lost, so each conditional write carries a
     random write id in the object's custom metadata (``chkq-write-id``) and
     a 412 is read back and compared: the write is ours — True — if the id
-    matches (contents are not compared, since content-addressed writers
-    write identical bytes).
+    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).
 
     Waits are bounded (:class:`~chkq.stores.base.StoreTimeouts`): every
     call passes ``timeout=(connect, read)`` and ``retry=None`` (the client's
@@ -99,6 +102,8 @@ class GCSStore(CheckpointStore):
         Project for a client built here.
     page_size
         Objects requested per listing page.
+    part_size
+        Bytes per staged part of an upload from parts.
     attempts
         Most attempts of one operation on transient errors.
     timeouts
@@ -114,6 +119,7 @@ class GCSStore(CheckpointStore):
         client: storage.Client | None = None,
         project: str | None = None,
         page_size: int = 1000,
+        part_size: int = 16 * MiB,
         attempts: int = 8,
         timeouts: StoreTimeouts | None = None,
     ) -> None:
@@ -124,6 +130,7 @@ class GCSStore(CheckpointStore):
         self._bucket_name = bucket
         self._prefix = bucket_prefix(prefix)
         self.page_size = page_size
+        self.part_size = part_size
         self.attempts = attempts
         self._client = client if client is not None else _make_client(project)
         self._bucket = self._client.bucket(bucket)
@@ -137,17 +144,29 @@ class GCSStore(CheckpointStore):
         """The google-cloud-storage client (exposed for tests and tools)."""
         return self._client
 
-    def _retry(self, operation: Callable[[], T], what: str) -> T:
-        return retry_transient(
-            operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
-            attempts=self.attempts, budget=self.timeouts.budget,
-        )
+    @property
+    def bucket(self) -> str:
+        """The bucket name."""
+        return self._bucket_name
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        return _is_transient(exc)
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        return isinstance(exc, api_exceptions.NotFound)
 
     def _available(self) -> bool:
         return bool(self._retry(
             lambda: self._bucket.exists(timeout=self._timeout, retry=None), "bucket exists"))
 
+    def _writable(self, key: str) -> str:
+        """The object name of ``key``, refused if it is in the uploads' staging area."""
+        if key.split("/", 1)[0] == UPLOADS_DIR:
+            raise InvalidKeyError(f"invalid store key {key!r}: {UPLOADS_DIR!r} is reserved")
+        return self._prefix + key
+
     def _put(self, key: str, data: bytes) -> None:
+        self._writable(key)
         blob = self._bucket.blob(self._prefix + key)
         self._retry(
             lambda: blob.upload_from_string(data, content_type="application/octet-stream",
@@ -156,7 +175,7 @@ class GCSStore(CheckpointStore):
         )
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
-        name = self._prefix + key
+        name = self._writable(key)
         write_id = uuid.uuid4().hex
 
         def attempt() -> bool:
@@ -169,9 +188,8 @@ class GCSStore(CheckpointStore):
                 )
             except api_exceptions.PreconditionFailed:
                 current = self._bucket.get_blob(name, timeout=self._timeout, retry=None)
-                if current is None:
-                    raise _VanishedAfterConflict(name) from None
-                return bool((current.metadata or {}).get(WRITE_ID_METADATA) == write_id)
+                metadata = None if current is None else dict(current.metadata or {})
+                return self._written_by(metadata, write_id, name)
             return True
 
         return self._retry(attempt, f"put_if_absent {key}")
@@ -188,12 +206,24 @@ class GCSStore(CheckpointStore):
         return self._retry(attempt, f"get {key}")
 
     def _get_at_most(self, key: str, limit: int) -> bytes:
+        return self._get_range(key, 0, limit + 1)
+
+    def _size(self, key: str) -> int:
+        blob = self._stat(key)
+        if blob is None:
+            raise KeyError(key)
+        return int(blob.size)
+
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            self._size(key)
+            return b""
         blob = self._bucket.blob(self._prefix + key)
 
         def attempt() -> bytes:
             try:
-                return bytes(blob.download_as_bytes(start=0, end=limit, timeout=self._timeout,
-                                                    retry=None))
+                return bytes(blob.download_as_bytes(start=start, end=start + length - 1,
+                                                    timeout=self._timeout, retry=None))
             except api_exceptions.NotFound:
                 raise KeyError(key) from None
             except api_exceptions.RequestRangeNotSatisfiable:
@@ -225,12 +255,9 @@ class GCSStore(CheckpointStore):
                 self._bucket_name, prefix=self._prefix + prefix, page_size=self.page_size,
                 timeout=self._timeout, retry=None,
             )
-            try:
-                return [blob.name[len(self._prefix) :] for blob in blobs]
-            except api_exceptions.NotFound:
-                raise StoreNotFoundError(
-                    f"store {self.url} does not exist (no bucket {self._bucket_name!r})"
-                ) from None
+            staging = self._prefix + UPLOADS_DIR + "/"
+            return [blob.name[len(self._prefix) :] for blob in blobs
+                    if not blob.name.startswith(staging)]
 
         return self._retry(attempt, f"list {prefix!r}")
 
@@ -242,3 +269,151 @@ class GCSStore(CheckpointStore):
                 blob.delete(timeout=self._timeout, retry=None)
 
         self._retry(attempt, f"delete {key}")
+
+    # publishing from parts -----------------------------------------------------------
+
+    def _upload(self, key: str) -> PartsUpload:
+        self._writable(key)
+        return _ComposeUpload(self, key)
+
+    def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
+        staging = self._prefix + UPLOADS_DIR + "/"
+
+        def attempt() -> list[StrayUpload]:
+            uploads: dict[str, StrayUpload] = {}
+            for blob in self._client.list_blobs(self._bucket_name, prefix=staging,
+                                                page_size=self.page_size,
+                                                timeout=self._timeout, retry=None):
+                upload_id = blob.name[len(staging):].split("/", 1)[0]
+                key = str((blob.metadata or {}).get(UPLOAD_KEY_METADATA, ""))
+                started = float((blob.time_created or blob.updated).timestamp())
+                known = uploads.get(upload_id)
+                if known is None or started < known.started:
+                    uploads[upload_id] = StrayUpload(key or (known.key if known else ""),
+                                                     upload_id, started)
+            return sorted((u for u in uploads.values() if u.key.startswith(prefix)),
+                          key=lambda u: u.upload_id)
+
+        return self._retry(attempt, f"list uploads {prefix!r}")
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        if not stray.upload_id or "/" in stray.upload_id:
+            raise InvalidKeyError(f"store {self.url}: {stray.upload_id!r} is not an upload")
+        staging = f"{self._prefix}{UPLOADS_DIR}/{stray.upload_id}/"
+
+        def attempt() -> None:
+            for blob in self._client.list_blobs(self._bucket_name, prefix=staging,
+                                                timeout=self._timeout, retry=None):
+                with contextlib.suppress(api_exceptions.NotFound):
+                    blob.delete(timeout=self._timeout, retry=None)
+
+        self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
+
+
+class _ComposeUpload(PartsUpload):
+    """Parts staged as objects under ``.chkq-uploads/ID/``, composed with ``ifGenerationMatch=0``.
+
+    A copied range that is a whole source object is composed from the
+    source itself, server-side; other ranges pass through the client.
+    Compose takes at most 32 sources, so longer lists are composed in
+    rounds into staged intermediates. The destination carries a write id,
+    so that a resent compose refused with 412 is recognised as this
+    upload's own. The staged parts are deleted once published or aborted.
+    """
+
+    store: GCSStore
+
+    def __init__(self, store: GCSStore, key: str) -> None:
+        super().__init__(store, key)
+        self.upload_id = uuid.uuid4().hex
+        self._write_id = uuid.uuid4().hex
+        self._staged: list[Any] = []
+        self._sources: list[Any] = []
+        self._buffer = bytearray()
+        self._part_size = max(store.part_size, 1)
+
+    def _stage(self, data: bytes) -> Any:
+        store = self.store
+        name = f"{store._prefix}{UPLOADS_DIR}/{self.upload_id}/{len(self._staged):05d}"
+        blob = store._bucket.blob(name)
+        blob.metadata = {UPLOAD_KEY_METADATA: self.key}
+        self._staged.append(blob)
+        store._retry(
+            lambda: blob.upload_from_string(data, content_type="application/octet-stream",
+                                            timeout=store._timeout, retry=None),
+            f"stage part {len(self._staged)} of {self.key}")
+        return blob
+
+    def _flush(self, final: bool = False) -> None:
+        while len(self._buffer) >= self._part_size or (final and self._buffer):
+            piece = bytes(self._buffer[: self._part_size])
+            del self._buffer[: self._part_size]
+            self._sources.append(self._stage(piece))
+
+    def _write(self, data: bytes) -> None:
+        self._buffer += data
+        self._flush()
+
+    def _copy(self, source: str, start: int, length: int) -> None:
+        if start == 0 and length == self.store.size(source):
+            self._flush(final=True)
+            self._sources.append(self.store._bucket.blob(self.store._prefix + source))
+        else:
+            super()._copy(source, start, length)
+
+    def _compose(self, destination: Any, sources: list[Any], **precondition: int) -> None:
+        store = self.store
+        store._retry(
+            lambda: destination.compose(sources, timeout=store._timeout, retry=None,
+                                        **precondition),
+            f"compose {len(sources)} parts of {self.key}")
+
+    def _complete(self) -> bool:
+        self._flush(final=True)
+        store = self.store
+        if not self._sources:
+            self._sources.append(self._stage(b""))
+        sources = self._sources
+        while len(sources) > MAX_COMPOSE:
+            merged = []
+            for first in range(0, len(sources), MAX_COMPOSE):
+                group = sources[first : first + MAX_COMPOSE]
+                if len(group) == 1:
+                    merged.append(group[0])
+                    continue
+                name = f"{store._prefix}{UPLOADS_DIR}/{self.upload_id}/{len(self._staged):05d}"
+                intermediate = store._bucket.blob(name)
+                intermediate.metadata = {UPLOAD_KEY_METADATA: self.key}
+                self._staged.append(intermediate)
+                self._compose(intermediate, group)
+                merged.append(intermediate)
+            sources = merged
+        name = store._prefix + self.key
+
+        def attempt() -> bool:
+            destination = store._bucket.blob(name)
+            destination.metadata = {WRITE_ID_METADATA: self._write_id}
+            destination.content_type = "application/octet-stream"
+            try:
+                destination.compose(sources, if_generation_match=0, timeout=store._timeout,
+                                    retry=None)
+            except api_exceptions.PreconditionFailed:
+                current = store._bucket.get_blob(name, timeout=store._timeout, retry=None)
+                metadata = None if current is None else dict(current.metadata or {})
+                return store._written_by(metadata, self._write_id, name)
+            return True
+
+        created = store._retry(attempt, f"complete upload of {self.key}")
+        if created:
+            self._abort()
+        return created
+
+    def _abort(self) -> None:
+        store = self.store
+        while self._staged:
+            store._retry(self._delete_last_staged, f"delete staged part of {self.key}")
+
+    def _delete_last_staged(self) -> None:
+        with contextlib.suppress(api_exceptions.NotFound):
+            self._staged[-1].delete(timeout=self.store._timeout, retry=None)
+        self._staged.pop()

