@@ -116,6 +116,18 @@ _LOSSY_FILTERS = {32013: "ZFP", 32017: "SZ", 32019: "JPEG", 32022: "BitGroom",
 _ZFP_REVERSIBLE_MODE = 2176
 #: Scale types of HDF5's scale-offset filter (first parameter): integers, else floats.
 _SCALEOFFSET_INT = 2
+#: SZ and SZ3, whose stored parameters are the dataset's rank, its type code and shape,
+#: then the caller's: an error-bound mode and eight words of error bounds (four doubles).
+_SZ_FILTERS = (32017, 32024)
+_SZ_BOUND_WORDS = 8
+
+
+def _zero_error_bounds(values: tuple[int, ...]) -> bool:
+    """Whether SZ or SZ3 parameters, as stored, set every error bound to 0 (values kept)."""
+    if not values:
+        return False
+    bounds = values[2 + values[0]:][1:1 + _SZ_BOUND_WORDS]
+    return len(bounds) == _SZ_BOUND_WORDS and not any(bounds)
 
 
 def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
@@ -126,7 +138,8 @@ def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
     encoded again at other boundaries come back different. Lossy: ZFP but
     in its reversible mode (read from the stream header the filter stores
     as its parameters: a mode it does not spell shortly counts as lossy),
-    SZ, SZ3, JPEG, BitGroom and Granular BitRound, and HDF5's scale-offset
+    SZ and SZ3 but with every error bound 0, JPEG, BitGroom and Granular
+    BitRound, and HDF5's scale-offset
     filter on floating-point values or on integers with a fixed bit count
     (which drops higher bits).
     """
@@ -140,6 +153,9 @@ def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
         elif code == 32013:
             if len(values) < 4 or values[3] >> 20 != _ZFP_REVERSIBLE_MODE:
                 return "ZFP (fixed-rate, fixed-precision or fixed-accuracy mode)"
+        elif code in _SZ_FILTERS:
+            if not _zero_error_bounds(values):
+                return _LOSSY_FILTERS[code]
         elif code in _LOSSY_FILTERS:
             return _LOSSY_FILTERS[code]
     return None
