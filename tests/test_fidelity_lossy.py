@@ -68,7 +68,8 @@ def consolidate(directory: Path) -> Path:
     return submit_consolidation("run", directory).wait_for_output(timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("codec", [ZFP_RATE, SCALEOFFSET], ids=["zfp-rate", "scaleoffset"])
+@pytest.mark.parametrize("codec", [ZFP_RATE, SCALEOFFSET, SZ3], ids=["zfp-rate", "scaleoffset",
+                                                                     "sz3"])
 def test_lossy_chunks_on_the_grid_move_unchanged(tmp_path: Path, codec: dict[str, Any]) -> None:
     """Every file but the last holds whole chunks: the output stores each source chunk as it
     was (bytes and filter mask), and reads back exactly the values each file reads back,
