@@ -13,9 +13,12 @@ rewiring a live one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from celery import Celery, Task
+from celery.app import backends
+from kombu.utils.imports import symbol_by_name
 
 from chkq.config.limits import CONF_KEY, REQUEST_CLASS
 from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
@@ -23,6 +26,12 @@ from chkq.config.security import install_signing, signing_config
 from chkq.config.settings import Settings
 
 TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
+#: The worker runtime, named here and loaded by Celery where it is used: the consumer in
+#: workers, the transport in every process that talks to a Redis broker.
+CONSUMER_CLASS = "chkq.workers.consumer:GuardedConsumer"
+TRANSPORT_CLASS = "chkq.workers.broker_transport:Transport"
+#: Mixed into the result backend's class: an outage is never a task's recorded failure.
+BACKEND_MIXIN = "chkq.workers.result_backend:RequeueOutages"
 
 
 
@@ -30,6 +39,20 @@ class _LimitedTask(Task):
     """The app's default task class: time limits are the worker's (:mod:`chkq.config.limits`)."""
 
     Request = REQUEST_CLASS
+
+
+@functools.cache
+def _backend_class(base: type) -> type:
+    """``base`` (the backend class the URL names) with :data:`BACKEND_MIXIN` before it."""
+    return type(base.__name__, (symbol_by_name(BACKEND_MIXIN), base), {})
+
+
+class _Chkq(Celery):
+    """The chkq app: its result backend's class is the configured one with :data:`BACKEND_MIXIN`."""
+
+    def _get_backend(self) -> Any:
+        base, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
+        return _backend_class(base)(app=self, url=url)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -73,7 +96,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_routes": TASK_ROUTES,
         "worker_hijack_root_logger": False,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
-        "worker_consumer": "chkq.config.consumer:GuardedConsumer",
+        "worker_consumer": CONSUMER_CLASS,
         **signing_config(settings),
     }
 
@@ -81,7 +104,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def broker_config(settings: Settings) -> dict[str, Any]:
     """The settings that differ between a Redis and a RabbitMQ broker.
 
-    Redis: chkq's transport (:mod:`chkq.config.broker_transport`) with its
+    Redis: chkq's transport (:mod:`chkq.workers.broker_transport`) with its
     visibility timeout and restore sweep. RabbitMQ: kombu's py-amqp
     transport with publisher confirms (a task is sent once the broker has
     it, or the sender gets an error), heartbeats (a silent peer's
@@ -94,7 +117,7 @@ def broker_config(settings: Settings) -> dict[str, Any]:
     """
     if not settings.broker_is_amqp:
         return {
-            "broker_transport": "chkq.config.broker_transport:Transport",
+            "broker_transport": TRANSPORT_CLASS,
             "broker_transport_options": settings.broker_transport_options(),
         }
     return {
@@ -110,7 +133,7 @@ def make_app(settings: Settings | None = None) -> Celery:
     settings = settings or Settings.from_env()
     # Every task of the app (chkq.fail, Celery's built-in tasks) caps the
     # time limits of its messages at the worker's; ChkqTask names the same class.
-    celery = Celery("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
+    celery = _Chkq("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
     celery.conf.update(celery_config(settings))
     install_signing(celery, settings)
     return celery

@@ -60,17 +60,28 @@ class Settings:
     task_files
         Files one copy or verify task opens at most (``CHKQ_TASK_FILES``):
         small checkpoint files are batched up to this many.
+    task_seconds
+        Time budget of one copy or verify task in seconds
+        (``CHKQ_TASK_SECONDS``; 0, the default: a quarter of the soft time
+        limit, 60 s). The planner cuts units to at most ``task_bytes`` *and*
+        to what the slowest node recently measured moves in this long
+        (:attr:`budget_seconds`), so that a unit ends well within the time
+        limits even on slow storage.
     soft_time_limit, time_limit
         Per-task time limits in seconds (``CHKQ_SOFT_TIME_LIMIT``,
-        ``CHKQ_TIME_LIMIT``), the worker's: a message may ask for shorter
-        ones, never longer (:mod:`chkq.config.limits`); clients send none.
+        ``CHKQ_TIME_LIMIT``, default 240 and 300), the worker's: a message
+        may ask for shorter ones, never longer (:mod:`chkq.config.limits`);
+        clients send none.
     visibility_timeout
-        Redis visibility timeout in seconds (``CHKQ_VISIBILITY_TIMEOUT``):
-        an unacknowledged message is delivered again after this long, so it
-        must exceed ``time_limit``. It is also how long the tasks of a worker
-        that died as a whole (node lost, SIGKILL of the main process) wait
-        before another worker takes them over; a pool process that dies
-        hands its task back at once (reject-on-worker-lost).
+        Redis visibility timeout in seconds (``CHKQ_VISIBILITY_TIMEOUT``,
+        default 420): an unacknowledged message is delivered again after
+        this long, so it must exceed ``time_limit`` by a margin
+        (:attr:`visibility_margin`): a task still running is then never
+        delivered twice. It is also how long the tasks of a worker that died
+        as a whole (node lost, SIGKILL of the main process) wait before
+        another worker takes them over (:attr:`takeover_bound`: 462 s by
+        default); a pool process that dies hands its task back at once
+        (reject-on-worker-lost).
     restore_interval
         Seconds between the sweeps in which every worker hands messages past
         the visibility timeout back to their queues
@@ -110,9 +121,10 @@ class Settings:
     block_bytes: int = 64 * MiB
     task_bytes: int = 64 * MiB
     task_files: int = 64
-    soft_time_limit: int = 3300
-    time_limit: int = 3600
-    visibility_timeout: int = 4200
+    task_seconds: int = 0
+    soft_time_limit: int = 240
+    time_limit: int = 300
+    visibility_timeout: int = 420
     restore_interval: int = 0
     result_expires: int = 7 * 24 * 3600
     max_redeliveries: int = 3
@@ -133,6 +145,7 @@ class Settings:
             block_bytes=_int("CHKQ_BLOCK_BYTES", cls.block_bytes),
             task_bytes=_int("CHKQ_TASK_BYTES", cls.task_bytes),
             task_files=_int("CHKQ_TASK_FILES", cls.task_files),
+            task_seconds=_int("CHKQ_TASK_SECONDS", cls.task_seconds),
             soft_time_limit=_int("CHKQ_SOFT_TIME_LIMIT", cls.soft_time_limit),
             time_limit=_int("CHKQ_TIME_LIMIT", cls.time_limit),
             visibility_timeout=_int("CHKQ_VISIBILITY_TIMEOUT", cls.visibility_timeout),
@@ -160,10 +173,14 @@ class Settings:
                 "CHKQ_SOFT_TIME_LIMIT must be positive and at most CHKQ_TIME_LIMIT")
         if self.restore_interval < 0:
             raise ConfigurationError("CHKQ_RESTORE_INTERVAL must be positive (0: derived)")
-        if self.visibility_timeout <= self.time_limit:
+        if not 0 <= 2 * self.task_seconds <= self.soft_time_limit:
             raise ConfigurationError(
-                "CHKQ_VISIBILITY_TIMEOUT must exceed CHKQ_TIME_LIMIT, or a task still "
-                "running would be delivered again and run twice at once"
+                "CHKQ_TASK_SECONDS must be at most half of CHKQ_SOFT_TIME_LIMIT (0: a quarter)")
+        if self.visibility_timeout < self.time_limit + self.visibility_margin:
+            raise ConfigurationError(
+                f"CHKQ_VISIBILITY_TIMEOUT must be at least CHKQ_TIME_LIMIT + "
+                f"{self.visibility_margin} s, or a task still running could be delivered "
+                "again and run twice at once"
             )
         self.check_broker()
         security = (self.security_key, self.security_certificate, self.security_cert_store)
@@ -202,6 +219,26 @@ class Settings:
     def signing(self) -> bool:
         """True when task messages are signed and only signed ones accepted."""
         return self.security_key is not None
+
+    @property
+    def budget_seconds(self) -> int:
+        """Seconds one copy or verify unit is cut to last at the slowest measured rate."""
+        return self.task_seconds or max(1, self.soft_time_limit // 4)
+
+    @property
+    def visibility_margin(self) -> int:
+        """Seconds the visibility timeout must exceed the hard time limit by.
+
+        On Redis, a message is delivered again ``visibility_timeout`` seconds
+        after its delivery by the clock of the worker that sweeps, whatever
+        became of its task. Its task runs at most the hard limit from its
+        start, but it starts a little after the delivery (a countdown held
+        by the worker, a busy event loop), is killed a little after its
+        limit, and the hosts' clocks differ: a tenth of the hard limit, at
+        most 60 s, covers these, so a task still running is never handed to
+        another worker.
+        """
+        return min(60, self.time_limit // 10)
 
     @property
     def restore_every(self) -> int:

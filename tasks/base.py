@@ -3,11 +3,18 @@
 Progress goes two ways: ``update_state(state="PROGRESS")`` for
 the result backend, which the CLI reads, and a ``task-progress`` event,
 which Flower shows. Both are throttled.
+
+Each node's throughput at copying, verifying and merging is measured on its
+own tasks and kept in the result backend (:meth:`ChkqTask.record_rate`); the
+planner cuts a job's units to what the slowest node moves in the task time
+budget (:func:`slowest_rates`), which bounds every unit's duration.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -28,6 +35,47 @@ log = logging.getLogger("chkq.tasks")
 
 PROGRESS = "PROGRESS"
 PROGRESS_INTERVAL = 0.5
+
+#: Redis hash (result backend) per kind of work: node name -> ``[bytes per second, when]``.
+RATE_KEY = "chkq-rate-{kind}"
+#: Kinds of work whose rate is measured.
+RATE_KINDS = ("copy", "verify", "merge")
+#: Only tasks that moved this many bytes or ran this long are timed. A rate only matters
+#: when it is low enough to cut units below the byte bound, and a task of at least a MiB
+#: that slow runs long enough for its fixed cost (opening files) to be a small part of it;
+#: a tiny task is mostly fixed cost and would make every later job's units tiny.
+RATE_MIN_BYTES = 1024 * 1024
+RATE_MIN_SECONDS = 2.0
+#: A node's rate older than this is not used (the node may be gone or its storage changed).
+RATE_MAX_AGE = 24 * 3600
+
+
+def _client(app: Any) -> Any:
+    return getattr(app.backend, "client", None)
+
+
+def slowest_rates(app: Any, now: float | None = None) -> dict[str, float | None]:
+    """The lowest recent rate (bytes/s) of any node at each kind of work, None if unmeasured.
+
+    The slowest node sets the budget: any node may take any unit. Entries
+    that are not ``[positive finite number, time]`` are ignored.
+    """
+    client = _client(app)
+    now = time.time() if now is None else now
+    rates: dict[str, float | None] = dict.fromkeys(RATE_KINDS)
+    if client is None:
+        return rates
+    for kind in RATE_KINDS:
+        for raw in client.hvals(RATE_KEY.format(kind=kind)):
+            try:
+                rate, when = json.loads(raw)
+                rate, when = float(rate), float(when)
+            except (ValueError, TypeError):
+                continue
+            if math.isfinite(rate) and rate > 0 and now - when <= RATE_MAX_AGE:
+                old = rates[kind]
+                rates[kind] = rate if old is None else min(old, rate)
+    return rates
 
 
 def deliveries_key(task_id: str, retries: int = 0, replaced: int = 0) -> str:
@@ -67,6 +115,18 @@ class ChkqTask(Task):
                 f"task {self.name}[{task_id}] was delivered {count} times without "
                 f"finishing (its worker died each time); giving up"
             )
+
+    def record_rate(self, kind: str, nbytes: int, seconds: float) -> None:
+        """Keep this node's rate at ``kind`` of work: ``nbytes`` moved in ``seconds``."""
+        client = _client(self)
+        node = self.request.hostname
+        if client is None or not node or nbytes <= 0 or seconds <= 0:
+            return
+        if nbytes < RATE_MIN_BYTES and seconds < RATE_MIN_SECONDS:
+            return
+        key = RATE_KEY.format(kind=kind)
+        client.hset(key, node, json.dumps([nbytes / seconds, time.time()]))
+        client.expire(key, RATE_MAX_AGE)
 
     def report(self, done: int, total: int, **info: Any) -> None:
         """Publish progress, at most every PROGRESS_INTERVAL seconds (and at the end)."""

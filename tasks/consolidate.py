@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +50,7 @@ from chkq.consolidation.discovery import (
 from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
 from chkq.consolidation.merge import merge_parts, remove_parts
 from chkq.consolidation.output_check import check_plan_output
-from chkq.consolidation.plan import Plan
+from chkq.consolidation.plan import Plan, unit_bytes
 from chkq.consolidation.prepare import (
     SCAN_FILES,
     ScannedFile,
@@ -76,7 +77,7 @@ from chkq.errors import (
 from chkq.fsutil import WRITE_ERRNOS, write_failure
 from chkq.rundir import RunDir
 from chkq.tasks import protocol
-from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer
+from chkq.tasks.base import ChkqTask, JobInterruptedError, Timer, slowest_rates
 from chkq.tasks.protocol import (
     consolidation_signature,
     fail_signature,
@@ -243,12 +244,18 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
         raise BadMessageTypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
     plan = protocol.recorded_plan(job)
     if plan is None:
+        settings = get_settings()
+        rates = slowest_rates(self.app)
+        budget = settings.budget_seconds
         plan = protocol.store_plan(prepare(
-            out_dir, model, job, cleanup=cleanup, block_bytes=get_settings().block_bytes,
-            task_bytes=get_settings().task_bytes, task_files=get_settings().task_files,
+            out_dir, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
+            task_bytes=unit_bytes(settings.task_bytes, rates["copy"], budget),
+            verify_bytes=unit_bytes(settings.task_bytes, rates["verify"], budget),
+            task_files=settings.task_files,
             run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps),
             allow_gaps=allow_gaps,
         ))
+        _warn_long_tasks(plan, rates, settings.soft_time_limit)
     launch_copies(plan)
     return {
         "model": model,
@@ -260,6 +267,44 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
         "copy_units": len(plan.copy_units),
         "verify_units": protocol.verify_unit_count(plan),
     }
+
+
+def merge_bytes(plan: Plan) -> int:
+    """Plain size of what the merge step moves: the part files' datasets' rows."""
+    return sum(d.total * d.row_bytes for d in plan.datasets if d.mode != "raw")
+
+
+def unit_sizes(plan: Plan) -> dict[str, int]:
+    """Plain bytes of the largest task of each kind the plan makes: copy, verify, merge."""
+    def file_bytes(index: int) -> int:
+        return sum((d.offsets[index + 1] - d.offsets[index]) * d.row_bytes
+                   for d in plan.datasets)
+
+    copies = [sum((stop - start) * plan.datasets[i].row_bytes for i, start, stop in u.pieces)
+              for u in plan.copy_units]
+    verifies = [sum(file_bytes(f) for f in range(first, stop))
+                for first, stop in plan.verify_units]
+    return {"copy": max(copies, default=0), "verify": max(verifies, default=0),
+            "merge": merge_bytes(plan)}
+
+
+def _warn_long_tasks(plan: Plan, rates: dict[str, float | None], soft_limit: int) -> None:
+    """Log a warning for each kind of task of ``plan`` expected to outlast half the soft limit.
+
+    Units are cut to the time budget, but some work cannot be cut: the
+    merge is one task, a variable-length dataset is copied by one, a file
+    is verified by one. At the slowest rate measured, a job with too much
+    of such work would be stopped by its time limit; the warning names the
+    settings to raise.
+    """
+    for kind, size in unit_sizes(plan).items():
+        rate = rates.get(kind)
+        if rate is None or not size / rate > soft_limit / 2:
+            continue
+        log.warning("job=%s a %s task of %d bytes is expected to take %.0f s at %.0f bytes/s, "
+                    "more than half of CHKQ_SOFT_TIME_LIMIT (%d s): raise CHKQ_TIME_LIMIT, "
+                    "CHKQ_SOFT_TIME_LIMIT and CHKQ_VISIBILITY_TIMEOUT together for such jobs",
+                    plan.job_id, kind, size, size / rate, rate, soft_limit)
 
 
 def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bool,
@@ -359,7 +404,9 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     if protocol.merged(job) is not None:
         raise Ignore()
     total = describe_unit(plan, unit)["rows"]
+    started = time.monotonic()
     stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job, kind="copy"))
+    self.record_rate("copy", stats.bytes, time.monotonic() - started)
     protocol.record_copied(job, unit, stats.digests)
     self.report(stats.rows, stats.rows, job=job, kind="copy")
     return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
@@ -376,7 +423,10 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         if gaps:
             raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
                                    "did not finish")
+        started = time.monotonic()
         moved = merge_parts(plan)
+        # Timed against the rows' plain size, which the planner knows in advance.
+        self.record_rate("merge", merge_bytes(plan), time.monotonic() - started)
         protocol.record_merged(plan)
         remove_parts(plan)
     launch_verification(plan)
@@ -398,8 +448,10 @@ def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
     digests = digests_by_dataset(protocol.copied(job), plan)
+    started = time.monotonic()
     stats = verify_files(plan, first, stop, digests,
                          lambda done: self.report(done, total, job=job, kind="verify"))
+    self.record_rate("verify", stats.bytes, time.monotonic() - started)
     protocol.record_verified(plan, unit, _still(plan, stamp))
     self.report(stats.rows, stats.rows, job=job, kind="verify")
     return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}

@@ -308,7 +308,7 @@ def _resubmit_after_restart(run: Path) -> Path:
 
     celery/kombu 5.7 used to leave a worker that held an unacknowledged task
     alive but consuming nothing after the restart (``'NoneType' object has no
-    attribute 'hostname'``); config/broker_transport.py fixes that.
+    attribute 'hostname'``); workers/broker_transport.py fixes that.
     """
     return submit_consolidation("run", run).wait_for_output(timeout=JOB_SECONDS)
 

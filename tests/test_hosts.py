@@ -25,6 +25,7 @@ import redis
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
+from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.tasks.base import deliveries_key
 from chkq.workers.client import ConsolidationJob, submit_consolidation
@@ -47,10 +48,20 @@ RUN = RunShape(checkpoints=2, trials=10007, spec_columns=384, compression="gzip"
 LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "200", "CHKQ_TIME_LIMIT": "240",
           "CHKQ_VISIBILITY_TIMEOUT": "300", "CHKQ_TASK_BYTES": str(16 * 2**20)}
 
-#: On Redis a lost node's tasks wait for the visibility timeout: here a short one.
-REDIS_VISIBILITY = 45
-REDIS_LIMITS = {**LIMITS, "CHKQ_SOFT_TIME_LIMIT": "30", "CHKQ_TIME_LIMIT": "40",
+#: On Redis a lost node's tasks wait for the visibility timeout and a restore sweep: the
+#: default limits (soft 240 s, hard 300 s, visibility 420 s, back within 462 s) divided by
+#: REDIS_SCALE, so that the test takes a minute, not eight (CHKQ_TEST_REDIS_SCALE=1 runs it
+#: at the defaults: give pytest ``--timeout 900``).
+REDIS_SCALE = int(os.environ.get("CHKQ_TEST_REDIS_SCALE") or 10)
+REDIS_SETTINGS = Settings(soft_time_limit=Settings().soft_time_limit // REDIS_SCALE,
+                          time_limit=Settings().time_limit // REDIS_SCALE,
+                          visibility_timeout=Settings().visibility_timeout // REDIS_SCALE)
+REDIS_VISIBILITY = REDIS_SETTINGS.visibility_timeout
+REDIS_LIMITS = {**LIMITS, "CHKQ_SOFT_TIME_LIMIT": str(REDIS_SETTINGS.soft_time_limit),
+                "CHKQ_TIME_LIMIT": str(REDIS_SETTINGS.time_limit),
                 "CHKQ_VISIBILITY_TIMEOUT": str(REDIS_VISIBILITY)}
+#: What the rest of the job takes once the lost copy runs again, at most.
+REDIS_JOB_REST = 60.0
 
 
 class Cluster:
@@ -141,8 +152,8 @@ def _run(tmp_path: Path) -> tuple[Path, list[Path], dict[str, str]]:
 
 
 def _ended_correctly(job: ConsolidationJob, run: Path, files: list[Path], lost: float,
-                     what: str) -> float:
-    output = job.wait_for_output(timeout=NODE_LOSS_BOUND + 60)
+                     what: str, bound: float = NODE_LOSS_BOUND) -> float:
+    output = job.wait_for_output(timeout=bound + 60)
     took = time.monotonic() - lost
     print(f"\n{what}: the job ended {took:.1f} s after the loss")
     assert_consolidated(output, files)
@@ -185,15 +196,21 @@ def test_worker_host_killed_mid_copy(cluster: Cluster, tmp_path: Path) -> None:
 
 def test_worker_host_killed_mid_copy_on_redis(redis_cluster: Cluster, tmp_path: Path
                                               ) -> None:
-    """The same loss with Redis as the broker: nobody returns the dead host's message; it
-    waits for the visibility timeout and the next restore sweep, then runs elsewhere."""
+    """The same loss with Redis as the broker and its default limits scaled down by
+    REDIS_SCALE: nobody returns the dead host's message; it waits for the visibility
+    timeout and the next restore sweep (the takeover bound), then runs elsewhere."""
     run, files, before = _run(tmp_path)
     job = submit_consolidation("run", run)
     victim, task = redis_cluster.copying_on(job)
     victim.kill()
     lost = time.monotonic()
-    took = _ended_correctly(job, run, files, lost, "worker host killed (Redis broker)")
+    took = _ended_correctly(job, run, files, lost, "worker host killed (Redis broker)",
+                            REDIS_SETTINGS.takeover_bound + REDIS_JOB_REST)
+    print(f"Redis limits {REDIS_LIMITS['CHKQ_TIME_LIMIT']}/{REDIS_VISIBILITY} s (the defaults "
+          f"/ {REDIS_SCALE}): takeover bound {REDIS_SETTINGS.takeover_bound} s; at the "
+          f"defaults the bound is {Settings().takeover_bound} s")
     assert took > REDIS_VISIBILITY - 15, "the dead host's copy came back before its timeout"
+    assert took <= REDIS_SETTINGS.takeover_bound + REDIS_JOB_REST
     assert redis_cluster.deliveries(task) >= 2
     assert {k: v for k, v in snapshot(run).items() if k != "run.h5"} == before
 

@@ -28,10 +28,10 @@ from kombu import Message
 
 from chkq.config.celery_app import get_app, make_app
 from chkq.config.limits import CONF_KEY, clamp_limits
-from chkq.config.request import WorkerLimitsRequest
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
+from chkq.workers.request import WorkerLimitsRequest
 from tests.plugins.cluster import WorkerProcess
 
 #: Redis database of these tests (the session's tests use 0).
@@ -141,7 +141,7 @@ def test_every_task_has_the_clamping_request() -> None:
     get_app().finalize()
     assert get_app().conf[CONF_KEY] == (Settings().time_limit, Settings().soft_time_limit)
     for name, task in get_app().tasks.items():
-        assert task.Request == "chkq.config.request:WorkerLimitsRequest", name
+        assert task.Request == "chkq.workers.request:WorkerLimitsRequest", name
 
 
 # ------------------------------------------------------------ real processes

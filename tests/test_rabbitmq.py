@@ -133,7 +133,7 @@ def test_amqp_app_config() -> None:
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
     redis_app = make_app(Settings(broker_url="redis://h:1/0"))
-    assert redis_app.conf.broker_transport == "chkq.config.broker_transport:Transport"
+    assert redis_app.conf.broker_transport == "chkq.workers.broker_transport:Transport"
     assert all(q.queue_arguments is None for q in redis_app.conf.task_queues)
 
 

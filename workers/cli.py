@@ -16,9 +16,7 @@ import argparse
 import atexit
 import contextlib
 import importlib
-import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -28,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from chkq import __version__
-from chkq.errors import ConfigurationError, is_user_error
+from chkq.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from chkq.workers.client import ConsolidationJob, Progress
@@ -202,56 +200,6 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-class UserErrorFilter(logging.Filter):
-    """Log a task's expected failure (bad input, a refused run) as one WARNING line.
-
-    Celery logs every exception a task raises as ``ERROR ... raised
-    unexpected`` with its traceback, and chkq's tasks log ``fail ...`` at
-    ERROR: a refused run (no checkpoints, output exists, a corrupt file) is
-    not a bug, and a traceback only hides the one line that matters. Records
-    about exceptions that :func:`chkq.errors.is_user_error` accepts are turned into
-    WARNINGs without traceback; anything else (bugs) is left alone. (The task
-    layer could say so itself, with ``Task.throws``.)
-    """
-
-    _ERROR_FIELD = re.compile(r"\berror=(\w+)\(")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        if not self._about_user_error(record):
-            return True
-        record.levelno, record.levelname = logging.WARNING, "WARNING"
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
-        if isinstance(record.args, dict) and record.args.get("description") == \
-                "raised unexpected":
-            record.args = {**record.args, "description": "refused"}
-        return True
-
-    @staticmethod
-    def _about_user_error(record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[0] is not None:
-            return is_user_error(record.exc_info[0])
-        args = record.args.values() if isinstance(record.args, dict) else (record.args or ())
-        for arg in args:
-            if isinstance(arg, BaseException):
-                return is_user_error(type(arg))
-        match = UserErrorFilter._ERROR_FIELD.search(record.getMessage())
-        return bool(match and is_user_error(match.group(1)))
-
-
-#: Loggers whose records :class:`UserErrorFilter` vets in workers.
-FILTERED_LOGGERS = ("celery.app.trace", "celery.worker.request", "chkq.tasks", "chkq.worker",
-                    "chkq")
-
-
-def install_log_filter() -> None:
-    """Attach :class:`UserErrorFilter` to the loggers tasks fail through."""
-    user_errors = UserErrorFilter()
-    for name in FILTERED_LOGGERS:
-        logging.getLogger(name).addFilter(user_errors)
-
-
 def cmd_worker(args: argparse.Namespace) -> int:
     from chkq.config.celery_app import get_app
     from chkq.config.routing import resolve_queues
@@ -266,6 +214,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
         argv.append("--without-gossip")
     if args.without_mingle:
         argv.append("--without-mingle")
+    from chkq.workers.log_filter import install_log_filter
+
     install_log_filter()
     no_private_tempdir()
     get_app().worker_main(argv=argv)

@@ -17,6 +17,12 @@ ones) is copied by batches of files instead, each task covering every
 dataset chkq writes as raw bytes, so that no file is opened once per
 dataset. Verification runs per file, small files batched up to
 ``task_bytes`` and ``task_files``.
+
+Units are sized by bytes and by time: the ``task_bytes`` the planner is
+given is at most what the slowest node recently moved in the task time
+budget (:func:`unit_bytes`), so that a unit's duration is bounded by
+construction and the workers' time limits (and the Redis visibility
+timeout above them) can be minutes.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ if TYPE_CHECKING:  # the plan itself needs no HDF5: clients read it without h5py
     from chkq.consolidation.checkpoint_files import FileScan
 
 PLAN_VERSION = 1
+#: Fewest bytes a unit is cut to whatever the measured rate: a node measured absurdly
+#: slow (a stall while it was timed) must not cut a job into millions of tasks.
+MIN_UNIT_BYTES = 1024 * 1024
 #: Library version bounds a plan may name (h5py's ``libver`` values).
 LIBVER_NAMES = ("earliest", "v108", "v110", "v112", "v114", "v200", "latest")
 
@@ -200,6 +209,31 @@ def offsets_of(name: str, scans: list[FileScan]) -> list[int]:
     for scan in scans:
         offsets.append(offsets[-1] + scan.rows[name])
     return offsets
+
+
+def unit_bytes(task_bytes: int, rate: float | None, seconds: float) -> int:
+    """Bytes of one unit: at most ``task_bytes`` and what ``rate`` moves in ``seconds``.
+
+    Parameters
+    ----------
+    task_bytes
+        The byte bound of a unit.
+    rate
+        Bytes per second of the slowest node at this kind of work, as
+        measured on recent tasks; None (or not a positive number) when none
+        was measured, and then the byte bound alone applies.
+    seconds
+        The time budget of one unit.
+
+    Returns
+    -------
+    int
+        The bytes per unit, never below :data:`MIN_UNIT_BYTES` (or
+        ``task_bytes`` if that is smaller).
+    """
+    if rate is None or not rate > 0 or rate == float("inf"):
+        return task_bytes
+    return max(min(task_bytes, MIN_UNIT_BYTES), min(task_bytes, int(rate * seconds)))
 
 
 def file_batches(sizes: list[int], max_bytes: int, max_files: int) -> list[list[int]]:

@@ -598,6 +598,7 @@ def prepare(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     task_bytes: int = DEFAULT_BLOCK_BYTES,
     task_files: int = 64,
+    verify_bytes: int | None = None,
     run: tuple[list[Checkpoint], list[ScannedFile]] | None = None,
     allow_gaps: bool = False,
 ) -> Plan:
@@ -607,6 +608,8 @@ def prepare(
     processes scanned them (:func:`scan_files` on slices of
     :func:`run_files`); without it, the run is found and scanned here, and
     a gap in its checkpoint numbers is refused unless ``allow_gaps``.
+    Copy units are cut to about ``task_bytes``, verification units to
+    ``verify_bytes`` (default: ``task_bytes``).
 
     Raises
     ------
@@ -679,7 +682,7 @@ def prepare(
         copy_units=cut_copy_units(datasets, len(files), task_bytes, task_files),
         file_digests=["" if any(i in pads for pads in padding.values()) else s.scan.digest
                       for i, s in enumerate(scanned)],
-        verify_units=cut_verify_units(file_sizes, task_bytes, task_files),
+        verify_units=cut_verify_units(file_sizes, verify_bytes or task_bytes, task_files),
         temp_inode=inode,
         out_dir_id=out_dir_id,
         libver=list(bounds),
