@@ -94,19 +94,41 @@ CHKQ = str(Path(sys.executable).with_name("chkq"))
 RUNS: dict[str, RunShape] = {
     **BASE_RUNS,
     "big4": RunShape(checkpoints=8, trials=4 * 7600, spec_columns=1024),
+    "big16": RunShape(checkpoints=8, trials=16 * 7600, spec_columns=1024),
+    "tiny": RunShape(checkpoints=4, trials=200),
     "small20k": RunShape(checkpoints=20000, trials=1, spec_columns=32),
 }
 SCALE_RUNS = ("big4", "small20k")
+#: Uncompressed runs of growing size (~0.5, 2, 8 GB) whose CLI and cp times give the fixed
+#: cost of a job and the marginal cost per GB; ``big16`` (8 GB) runs only when named.
+SIZE_RUNS = ("big", "big4", "big16")
+#: Goals: fixed cost at most this many import floors; marginal cost per GB at most this
+#: many times cp's.
+FIXED_LIMIT, MARGINAL_LIMIT = 2.0, 1.5
 #: The netCDF-4 run: files, records per file, width of the 2-D record variable.
 NC_FILES, NC_RECORDS, NC_COLUMNS, NC_CHUNK = 8, 7888, 1024, 256
+#: The small-chunk gzip run: files, rows per file, and its extensible datasets
+#: (name, dtype, trailing shape, data kind), written with h5py's ``chunks=True``.
+GZ_FILES, GZ_ROWS = 8, 50_000
+GZ_DATASETS: tuple[tuple[str, str, tuple[int, ...], str], ...] = (
+    ("particles/id", "<i8", (), "smooth"),
+    ("particles/time", "<f8", (), "smooth"),
+    ("particles/energy", "<f8", (), "random"),
+    ("particles/pos", "<f8", (3,), "random"),
+    ("particles/flux", "<f8", (16,), "random"),
+    ("particles/spectrum", "<f4", (64,), "smooth"),
+)
 
 #: Contenders of each run (the first is the one warmed up).
 CONTENDERS: dict[str, tuple[str, ...]] = {
     "big": ("cli", "nowait", "inproc", "serial", "cp"),
     "gzip": ("cli", "inproc", "serial"),
+    "gzsmall": ("cli", "serial"),
     "small": ("cli", "nowait", "inproc", "serial", "cp"),
     "netcdf": ("cli", "ncrcat"),
     "big4": ("cli", "serial", "cp"),
+    "big16": ("cli", "cp"),
+    "tiny": ("cli",),
     "small20k": ("cli", "serial", "cp"),
 }
 
@@ -115,6 +137,7 @@ GOALS: list[tuple[str, str, str, float, str]] = [
     ("big", "cli", "serial", 0.35, "uncompressed ~0.5 GB: CLI <= 0.35x serial"),
     ("big", "cli", "cp", 2.0, "uncompressed ~0.5 GB: CLI <= 2x cp -r + sync"),
     ("gzip", "cli", "serial", 0.4, "gzip+shuffle ~0.5 GB: CLI <= 0.4x serial"),
+    ("gzsmall", "cli", "serial", 0.35, "gzip+shuffle, h5py's small chunks: CLI <= 0.35x serial"),
     ("small", "cli", "serial", 0.2, "2,000 one-trial files: CLI <= 0.2x serial"),
     ("netcdf", "cli", "ncrcat", 1.0, "netCDF-4 ~0.5 GB: CLI faster than ncrcat (< 1x)"),
     ("big4", "cli", "serial", 0.35, "(scale) uncompressed ~2 GB: CLI <= 0.35x serial"),
@@ -169,12 +192,53 @@ def make_netcdf_run(run_dir: Path) -> list[Path]:
     return files
 
 
+def make_gzip_small_run(run_dir: Path) -> list[Path]:
+    """Write the small-chunk gzip run as a producer keeping h5py's defaults would.
+
+    Each file holds :data:`GZ_DATASETS`, ``GZ_ROWS`` rows each, created with
+    the rows (``chunks=True``: h5py's automatic chunk shape, a few KiB to a
+    few tens of KiB, tiling the trailing axis of the wider 2-D datasets),
+    gzip level 4 and shuffle; "random" data is uniform floats, "smooth"
+    data a counter, a clock and slowly varying spectra (which compress
+    well). Rows per file are not a multiple of the chunk rows, so most
+    files' chunks do not land whole on the output's chunk grid.
+    """
+    import h5py
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    files, done = [], 0
+    for number in range(1, GZ_FILES + 1):
+        path = run_dir / f"{MODEL}_chk{number:05d}.h5"
+        rows = np.arange(done, done + GZ_ROWS)
+        with h5py.File(path, "w") as f:
+            for name, dtype, trailing, kind in GZ_DATASETS:
+                shape = (GZ_ROWS, *trailing)
+                if kind == "random":
+                    data = rng.random(shape).astype(dtype)
+                elif name.endswith("id"):
+                    data = rows.astype(dtype)
+                elif name.endswith("time"):
+                    data = (rows * 0.125).astype(dtype)
+                else:
+                    wave = np.sin(rows[:, None] / 500.0 + np.arange(trailing[0]) / 8.0)
+                    data = np.round(wave, 3).astype(dtype)
+                f.create_dataset(name, data=data, maxshape=(None, *trailing), chunks=True,
+                                 compression="gzip", compression_opts=4, shuffle=True)
+            done += GZ_ROWS
+            f.attrs["trials_completed"] = np.uint64(done)
+        files.append(path)
+    return files
+
+
 def checkpoint_files(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob(f"{MODEL}_chk*.h5"))
 
 
 def expected_count(name: str) -> int:
-    return NC_FILES if name == "netcdf" else RUNS[name].checkpoints
+    if name == "netcdf":
+        return NC_FILES
+    return GZ_FILES if name == "gzsmall" else RUNS[name].checkpoints
 
 
 def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
@@ -186,8 +250,12 @@ def prepare_run(root: Path, name: str) -> tuple[Path, list[Path]]:
         return run_dir, files
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.perf_counter()
-    files = make_netcdf_run(run_dir) if name == "netcdf" else make_run(run_dir, MODEL,
-                                                                       RUNS[name])
+    if name == "netcdf":
+        files = make_netcdf_run(run_dir)
+    elif name == "gzsmall":
+        files = make_gzip_small_run(run_dir)
+    else:
+        files = make_run(run_dir, MODEL, RUNS[name])
     marker.touch()
     size = sum(p.stat().st_size for p in files)
     print(f"# generated {name}: {len(files)} files, {size / 1e6:.1f} MB "
@@ -533,6 +601,7 @@ def import_profile(env: dict[str, str], rounds: int = 3) -> dict[str, float]:
     ``--version`` loads), and what ``consolidate`` loads (client, Celery app)."""
     cases = {
         "python -c pass": [PYTHON, "-c", "pass"],
+        "import floor: import celery, redis": [PYTHON, "-c", "import celery, redis"],
         "import chkq.workers.cli": [PYTHON, "-c", "import chkq.workers.cli"],
         "+ chkq.workers.client (consolidate)": [
             PYTHON, "-c", "import chkq.workers.cli, chkq.workers.client"],
@@ -659,14 +728,58 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares line through ``(x, y)`` points: (intercept, slope)."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx
+    return my - slope * mx, slope
+
+
+def size_cost(med: dict[tuple[str, str], float], sizes: dict[str, tuple[int, int, int]],
+              imports: dict[str, float]) -> None:
+    """The fixed cost of a job and the marginal cost per GB, from the uncompressed runs.
+
+    A line through (GB, median CLI seconds) of the runs of :data:`SIZE_RUNS`
+    that ran: its intercept is the fixed cost of a job, compared with the
+    import floor (a fresh interpreter importing celery and redis, measured in
+    the same run); its slope the marginal cost per GB, compared with the
+    slope of ``cp -r`` + sync through the same runs.
+    """
+    floor = imports.get("import floor: import celery, redis", float("nan"))
+    if ("tiny", "cli") in med:
+        tiny = med["tiny", "cli"]
+        text = f"fixed cost: a tiny job's CLI <= {FIXED_LIMIT:g}x import floor ({floor:.3f} s)"
+        print(f"{text:58s} {tiny / floor:7.3f} {FIXED_LIMIT:6.2f}  "
+              f"{'MET' if tiny / floor <= FIXED_LIMIT else 'NOT MET'}  ({tiny:.3f} s)")
+    runs = [r for r in SIZE_RUNS if (r, "cli") in med and (r, "cp") in med]
+    if len(runs) < 2:
+        return
+    gb = {r: sizes[r][1] / 1e9 for r in runs}
+    fixed, per_gb = fit([(gb[r], med[r, "cli"]) for r in runs])
+    cp_fixed, cp_per_gb = fit([(gb[r], med[r, "cp"]) for r in runs])
+    used = ", ".join(f"{r} {gb[r]:.2f} GB" for r in runs)
+    print(f"# sizes fitted ({used}): CLI = {fixed:.3f} s + {per_gb:.3f} s/GB; "
+          f"cp -r + sync = {cp_fixed:.3f} s + {cp_per_gb:.3f} s/GB")
+    text = f"fixed cost of a job (intercept) <= {FIXED_LIMIT:g}x import floor ({floor:.3f} s)"
+    print(f"{text:58s} {fixed / floor:7.3f} {FIXED_LIMIT:6.2f}  "
+          f"{'MET' if fixed / floor <= FIXED_LIMIT else 'NOT MET'}  ({fixed:.3f} s)")
+    text = f"marginal cost per GB <= {MARGINAL_LIMIT:g}x cp's"
+    ratio = per_gb / cp_per_gb
+    print(f"{text:58s} {ratio:7.3f} {MARGINAL_LIMIT:6.2f}  "
+          f"{'MET' if ratio <= MARGINAL_LIMIT else 'NOT MET'}  ({per_gb:.3f} vs "
+          f"{cp_per_gb:.3f} s/GB)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3, help="timed rounds per run")
-    parser.add_argument("--runs", default="big,gzip,small,netcdf")
+    parser.add_argument("--runs", default="tiny,big,gzip,gzsmall,small,netcdf")
     parser.add_argument("--scale", action="store_true",
                         help="also the big4 (~2 GB) and small20k (20,000 files) runs")
     parser.add_argument("--scale-repeat", type=int, default=1,
-                        help="timed rounds of the --scale runs")
+                        help="timed rounds of the --scale runs (and of big16, ~8 GB)")
     parser.add_argument("--workers", type=int, default=2, help="chkq worker -c N")
     parser.add_argument("--keep", type=Path, default=None,
                         help="generate runs here (and reuse them when complete)")
@@ -718,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
                 size = sum(p.stat().st_size for p in files)
                 if name == "netcdf":
                     records = NC_FILES * NC_RECORDS
+                elif name == "gzsmall":
+                    records = GZ_FILES * GZ_ROWS * len(GZ_DATASETS)
                 else:
                     records = RUNS[name].checkpoints * RUNS[name].trials
                 sizes[name] = (len(files), size, records)
@@ -731,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
                     "ncrcat": lambda f=files, r=records: bench.ncrcat(f, r),
                 }
                 order = list(CONTENDERS[name])
-                repeat = args.scale_repeat if name in SCALE_RUNS else args.repeat
+                repeat = args.scale_repeat if name in (*SCALE_RUNS, "big16") else args.repeat
                 calls[order[0]]()  # untimed warm-up: worker imports, page cache
                 if "ncrcat" in order:
                     calls["ncrcat"]()
@@ -848,6 +963,7 @@ def report(samples: dict[tuple[str, str], list[Sample]],
             scale = 1 if unit == "GB" else 1000
             print(f"# flat per {unit}: CLI {small} {a * scale:.3f}, {large} {b * scale:.3f} "
                   f"{'s' if unit == 'GB' else 'ms'}/{unit} (ratio {b / a:.2f})")
+    size_cost(med, sizes, imports)
     print("\n".join(rss_lines))
 
     if breakdowns:

@@ -17,6 +17,7 @@ worker serves the queue its job waits in, then keeps waiting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -57,7 +58,9 @@ from chkq.tasks.protocol import (
     root_cause,
 )
 
-POLL_SECONDS = 0.05
+#: How often a waiting client reads the job's state; the job's end wakes it at once
+#: (:class:`EndSignal`).
+POLL_SECONDS = 0.25
 PROGRESS_SECONDS = 0.25
 
 #: When a waiting client first checks that a worker serves its job's queue, and how
@@ -210,29 +213,30 @@ class ConsolidationJob(AsyncResult):
         deadline = None if timeout is None else time.monotonic() + timeout
         unreachable_since: float | None = None
         watch = QueueWatch(self, on_notice) if on_notice is not None else None
-        while True:
-            try:
-                if self._poll(on_progress):
-                    break
-                unreachable_since = None
-            except BROKER_ERRORS as exc:
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since > outage_grace:
-                    raise JobLostError(
-                        f"the broker has not answered for {outage_grace:.0f} s ({exc}); "
-                        f"the fate of job {self.id} is unknown: check the broker, then "
-                        "submit it again"
-                    ) from exc
-            if is_alive is not None:
-                is_alive()
-            if watch is not None and unreachable_since is None:
-                watch.check()
-            if deadline is not None and time.monotonic() > deadline:
-                raise WaitTimeoutError(
-                    f"job {self.id} did not finish within {timeout:g} s; it goes on "
-                    f"(chkq status {self.id}; chkq cancel {self.id} to cancel it)")
-            time.sleep(POLL_SECONDS)
+        with EndSignal(self) as end:
+            while True:
+                try:
+                    if self._poll(on_progress):
+                        break
+                    unreachable_since = None
+                except BROKER_ERRORS as exc:
+                    now = time.monotonic()
+                    unreachable_since = unreachable_since or now
+                    if now - unreachable_since > outage_grace:
+                        raise JobLostError(
+                            f"the broker has not answered for {outage_grace:.0f} s ({exc}); "
+                            f"the fate of job {self.id} is unknown: check the broker, then "
+                            "submit it again"
+                        ) from exc
+                if is_alive is not None:
+                    is_alive()
+                if watch is not None and unreachable_since is None:
+                    watch.check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WaitTimeoutError(
+                        f"job {self.id} did not finish within {timeout:g} s; it goes on "
+                        f"(chkq status {self.id}; chkq cancel {self.id} to cancel it)")
+                end.wait(POLL_SECONDS)
         return self._outcome()
 
     def _poll(self, on_progress: Callable[[Progress], None] | None) -> bool:
@@ -325,6 +329,52 @@ def served_queues(timeout: float = INSPECT_SECONDS) -> set[str]:
     replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
     return {str(q.get("name")) for queues in replies.values() for q in queues or []
             if isinstance(q, dict)}
+
+
+class EndSignal:
+    """Wakes a waiting client as soon as the job's result is stored.
+
+    The job's result (its link step's, or the failure stored under the job
+    id) is written by Celery's Redis result backend with a ``PUBLISH`` on
+    the result's key: a subscription to that channel lets :meth:`wait`
+    return the moment the job ends instead of at the next poll. It only
+    wakes the client, which then reads the job's records as it always does;
+    without a Redis subscription (another backend, a broker outage) it
+    sleeps.
+    """
+
+    def __init__(self, job: AsyncResult) -> None:
+        self._pubsub: Any = None
+        try:
+            key = job.backend.get_key_for_task(job.id)
+            pubsub = job.backend.client.pubsub(ignore_subscribe_messages=True)
+            pubsub.subscribe(key)
+            self._pubsub = pubsub
+        except Exception:  # noqa: BLE001 - a wake-up only: polling still decides
+            self._pubsub = None
+
+    def __enter__(self) -> EndSignal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the job's result is published meanwhile."""
+        if self._pubsub is None:
+            time.sleep(seconds)
+            return
+        try:
+            self._pubsub.get_message(timeout=seconds)
+        except Exception:  # noqa: BLE001 - the broker went away: poll from now on
+            self.close()
+            time.sleep(seconds)
+
+    def close(self) -> None:
+        if self._pubsub is not None:
+            with contextlib.suppress(Exception):
+                self._pubsub.close()
+            self._pubsub = None
 
 
 class QueueWatch:

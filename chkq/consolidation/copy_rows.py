@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -23,7 +24,7 @@ import numpy as np
 from h5py import h5d, h5f, h5s
 
 from chkq.consolidation.checkpoint_files import open_checkpoint_id
-from chkq.consolidation.chunk_encoding import ChunkEncoder
+from chkq.consolidation.chunk_encoding import ChunkEncoder, lossy_filter
 from chkq.consolidation.plan import CopyUnit, DatasetPlan, Plan
 from chkq.consolidation.rowio import (
     ByteCopier,
@@ -34,7 +35,8 @@ from chkq.consolidation.rowio import (
 )
 from chkq.consolidation.skeleton import create_extensible
 from chkq.consolidation.stamps import check_descriptor, open_unchanged
-from chkq.rundir import CREATE, WRITE, RunDir, fd_path
+from chkq.errors import BadCheckpointError
+from chkq.rundir import CREATE, WRITE, RunDir
 
 Progress = Callable[[int], None]
 
@@ -58,6 +60,7 @@ class CopyStats:
     rows: int = 0
     bytes: int = 0
     files: int = 0
+    moved: int = 0
     digests: list[list[int | str]] = field(default_factory=list)
 
 
@@ -300,6 +303,123 @@ def _copy_through_hdf5(plan: Plan, d: DatasetPlan, dsid: h5d.DatasetID, base: in
         writer.write(d, base + first, rows)
 
 
+def same_pipeline(a: h5d.DatasetID, b: h5d.DatasetID) -> bool:
+    """Whether two datasets store chunks alike: same type, chunk shape and filter pipeline.
+
+    The filter pipeline compares every filter's id, flags and stored
+    parameters, in order. With these equal, a chunk's stored bytes and
+    filter mask decode to the same rows in either dataset.
+    """
+    pa, pb = a.get_create_plist(), b.get_create_plist()
+    if pa.get_layout() != h5d.CHUNKED or pb.get_layout() != h5d.CHUNKED:
+        return False
+    if tuple(pa.get_chunk()) != tuple(pb.get_chunk()) or not a.get_type().equal(b.get_type()):
+        return False
+    if pa.get_nfilters() != pb.get_nfilters():
+        return False
+    return all(pa.get_filter(i)[:3] == pb.get_filter(i)[:3] for i in range(pa.get_nfilters()))
+
+
+def moved_rows(d: DatasetPlan, file_index: int, start: int, stop: int) -> int:
+    """End of the output rows from ``start`` on whose chunks file ``file_index`` stores whole.
+
+    ``[start, stop)`` are output rows of that file, ``start`` on the chunk
+    grid. A source chunk lands whole on the output's grid when the file's
+    first output row is on it; the chunks from ``start`` to the last whole
+    one then move unchanged, and so does the file's last, partial chunk if
+    it is the output's last (the rows past the dataset's end are seen by no
+    reader in either file). Returns ``start`` when nothing moves.
+    """
+    per_chunk, base = d.chunk[0], d.offsets[file_index]
+    if base % per_chunk or start % per_chunk:
+        return start
+    if stop == d.total:
+        return stop
+    return start + (stop - start) // per_chunk * per_chunk
+
+
+def chunk_starts(d: DatasetPlan) -> list[tuple[int, ...]]:
+    """Offsets along the trailing axes of each chunk of one row of chunks, row-major."""
+    tile = d.chunk[1:]
+    grid = [math.ceil(t / c) for t, c in zip(d.trailing, tile, strict=True)]
+    return [tuple(c * t for c, t in zip(coords, tile, strict=True)) for coords in np.ndindex(*grid)]
+
+
+def all_chunks_stored(dsid: h5d.DatasetID) -> bool:
+    """Whether every chunk of ``dsid``'s grid is stored (none left to the fill value)."""
+    chunk, shape = dsid.get_create_plist().get_chunk(), dsid.shape
+    return bool(dsid.get_num_chunks() == math.prod(-(-n // c) for n, c in zip(shape, chunk,
+                                                                           strict=True)))
+
+
+#: A part file's first bytes; then one record per chunk: :data:`PART_RECORD` (stored
+#: size, filter mask), the chunk's offset in the output (one ``<q`` per axis), the bytes.
+PART_MAGIC = b"chkq-chunks-1\n"
+PART_RECORD = struct.Struct("<QI")
+#: Bytes of records a copy task gathers before it writes them to its part file.
+PART_BUFFER_BYTES = 8 * 1024 * 1024
+
+
+class PartWriter:
+    """Writes encoded chunks, with their output offsets and filter masks, to a part file.
+
+    A part file is not HDF5: chunks are appended as they come, and the
+    merge step hands each to ``write_direct_chunk`` as it stands
+    (:func:`chkq.consolidation.merge.read_part`), so neither side pays
+    HDF5's per-chunk cost of a second file.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buffer = bytearray(PART_MAGIC)
+
+    def add(self, where: tuple[int, ...], data: bytes, mask: int = 0) -> None:
+        """Append the chunk stored as ``data`` (filter mask ``mask``) at output offset ``where``."""
+        self.buffer += PART_RECORD.pack(len(data), mask)
+        self.buffer += struct.pack(f"<{len(where)}q", *where)
+        self.buffer += data
+        if len(self.buffer) >= PART_BUFFER_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        view = memoryview(self.buffer)
+        while view:
+            view = view[os.write(self.fd, view):]
+        self.buffer = bytearray()
+
+
+class HDF5Encoder:
+    """Encodes chunks through HDF5's own filters, for pipelines chkq does not encode itself.
+
+    Rows are written, starting on the chunk grid, into a dataset created
+    like the template's in an in-memory file; each chunk's stored bytes and
+    filter mask are then read back with ``read_direct_chunk``. Only the
+    output's last chunk can be partial; past the rows written it holds
+    whatever the in-memory dataset held there, bytes beyond the dataset's
+    end that no reader sees.
+    """
+
+    def __init__(self, template: h5py.Dataset, rows: int) -> None:
+        self.file = h5py.File(f"chkq-encode-{id(self)}", "w", driver="core",
+                              backing_store=False)
+        self.data = create_extensible(self.file, "data", template, rows).id
+        self.type = self.data.get_type()
+
+    def encode(self, rows: np.ndarray, tiles: list[tuple[int, ...]], per_chunk: int
+               ) -> Iterator[tuple[int, tuple[int, ...], int, bytes]]:
+        """``(first row, trailing offset, mask, stored bytes)`` of the chunks holding ``rows``."""
+        fspace = self.data.get_space()
+        fspace.select_hyperslab((0,) * rows.ndim, rows.shape)
+        self.data.write(h5s.create_simple(rows.shape), fspace, rows, mtype=self.type)
+        for first in range(0, len(rows), per_chunk):
+            for where in tiles:
+                mask, data = self.data.read_direct_chunk((first, *where))
+                yield first, where, mask, data
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def _copy_to_part(
     run: RunDir,
     plan: Plan,
@@ -308,20 +428,27 @@ def _copy_to_part(
     stats: CopyStats,
     progress: Progress | None,
 ) -> CopyStats:
-    """Write one piece of a ``chunks`` dataset to its part file through HDF5.
+    """Write one piece of a ``chunks`` dataset's encoded chunks to its part file.
 
-    Rows move as bytes of the file type (read and written with the file
-    type as the memory type: nothing is converted, so full-width NULLTERM
-    strings and compound padding bytes survive). The SHA-256 of each
-    file's source rows, as read, goes into the task's result: verification
-    then reads the (compressed) output once and compares digests instead of
-    decoding every source again. Whole chunks of a [shuffle,] deflate
-    dataset are encoded with ISA-L (:mod:`chkq.consolidation.chunk_encoding`, twenty
-    times HDF5's zlib) and stored as they are; the rest go through HDF5's
-    filters. The template is opened as planned (its stamp checked); the
-    part file is created exclusively through ``run`` (never through a link
-    planted at its name or above it), written through its descriptor and
-    renamed into place.
+    Where a source's chunks land whole on the output's chunk grid
+    (:func:`moved_rows`) and the source stores them like the template
+    (same type, chunk shape and filter pipeline, every chunk stored), they
+    are moved unchanged: stored bytes and filter mask, read with
+    ``read_direct_chunk``, nothing decoded. Their rows are recorded as
+    ``stored``, so that verification compares the output's stored chunks
+    with the source's. Other rows are read through HDF5 as bytes of the
+    file type (the file type as the memory type: nothing is converted, so
+    full-width NULLTERM strings and compound padding bytes survive), and
+    the SHA-256 of each file's source rows, as read, goes into the task's
+    result: verification then reads the (compressed) output once and
+    compares digests instead of decoding every source again. Whole chunks
+    of a [shuffle,] deflate dataset are encoded with ISA-L
+    (:mod:`chkq.consolidation.chunk_encoding`, twenty times HDF5's zlib);
+    the rest through HDF5's own filters (:class:`HDF5Encoder`). The
+    template is opened as planned (its stamp checked); the part file
+    (:class:`PartWriter`) is created exclusively through ``run`` (never
+    through a link planted at its name or above it), written through its
+    descriptor and renamed into place.
     """
     assert unit.part is not None
     index, start, stop = unit.pieces[0]
@@ -333,66 +460,109 @@ def _copy_to_part(
     os.close(ref_fd)
     try:
         part_fd = run.open_file(temp, CREATE, 0o644)
-        try:
-            part = h5py.File(fd_path(part_fd), "w")
-        finally:
-            os.close(part_fd)
     except BaseException:
         ref_id.close()
         raise
-    with h5py.File(ref_id) as ref, part:
-        out = create_extensible(part, "data", ref[d.name], stop - start).id
-        tid = out.get_type()
+    with h5py.File(ref_id) as ref:
+        template = ref[d.name]
+        part = PartWriter(part_fd)
         per_chunk = d.chunk[0]
         half_block = block_rows(d.row_bytes, plan.block_bytes // 2)
         buffer_rows = max(per_chunk, half_block // per_chunk * per_chunk)
         buffer = np.empty((min(buffer_rows, max(stop - start, 1)), *d.trailing),
                           dtype=f"V{d.element_size}")
-        encoder = ChunkEncoder.for_dataset(out)
-        trailing_zeros = (0,) * len(d.trailing)
+        encoder = ChunkEncoder.for_dataset(template.id)
+        fallback: HDF5Encoder | None = None
+        lossy = lossy_filter(template.id.get_create_plist())
+        tiles = chunk_starts(d)
         pending_rows, written = 0, 0
 
         def flush() -> None:
-            nonlocal pending_rows, written
+            nonlocal pending_rows, written, fallback
             done = 0
-            if encoder is not None and written % per_chunk == 0:
+            if encoder is not None:
                 done = pending_rows // per_chunk * per_chunk
                 for first in range(0, done, per_chunk):
-                    chunk = encoder.encode(buffer[first:first + per_chunk])
-                    out.write_direct_chunk((written + first, *trailing_zeros), chunk)
+                    row = start + written + first
+                    for where, chunk in encoder.encode_rows(buffer[first:first + per_chunk]):
+                        part.add((row, *where), chunk)
             if pending_rows > done:
-                fspace = out.get_space()
-                shape = (pending_rows - done, *d.trailing)
-                fspace.select_hyperslab((written + done, *trailing_zeros), shape)
-                out.write(h5s.create_simple(shape), fspace, buffer[done:pending_rows], mtype=tid)
+                if fallback is None:
+                    fallback = HDF5Encoder(template, len(buffer))
+                row = start + written + done
+                for first, where, mask, chunk in fallback.encode(buffer[done:pending_rows],
+                                                                 tiles, per_chunk):
+                    part.add((row + first, *where), chunk, mask)
             written += pending_rows
             pending_rows = 0
 
-        for file_index, file_segments in segments.items():
-            fid, src_fd = open_source(run, plan, file_index)
-            try:
-                source = h5d.open(fid, d.name.encode())
-                stats.files += 1
-                for seg in file_segments:
+        def move(source: h5d.DatasetID, first: int, end: int, base: int) -> None:
+            """Move the source's stored chunks of output rows ``[first, end)`` unchanged."""
+            nonlocal written
+            flush()
+            for row in range(first, end, per_chunk):
+                for where in tiles:
+                    mask, data = source.read_direct_chunk((row - base, *where))
+                    part.add((row, *where), data, mask)
+                    stats.moved += len(data)
+            written = end - start
+
+        try:
+            for file_index, file_segments in segments.items():
+                fid, src_fd = open_source(run, plan, file_index)
+                try:
+                    source = h5d.open(fid, d.name.encode())
+                    stats.files += 1
                     base = d.offsets[file_index]
-                    digest = hashlib.sha256()
-                    lo, end = seg.start - base, seg.stop - base
-                    while lo < end:
-                        if pending_rows == len(buffer):
-                            flush()
-                        take = min(len(buffer) - pending_rows, end - lo)
-                        rows = buffer[pending_rows:pending_rows + take]
-                        read_padded(source, lo, rows, d.offsets[file_index + 1] - base)
-                        digest.update(as_bytes(rows))
-                        pending_rows, lo = pending_rows + take, lo + take
-                        stats.rows = written + pending_rows
-                        if progress:
-                            progress(stats.rows)
-                    stats.digests.append([file_index, seg.start, seg.stop, digest.hexdigest()])
-            finally:
-                fid.close()
-                os.close(src_fd)
-        flush()
+                    provides = d.offsets[file_index + 1] - base
+                    alike = (source.shape[0] == provides and same_pipeline(source, template.id)
+                             and all_chunks_stored(source))
+                    for seg in file_segments:
+                        lo, end = seg.start - base, seg.stop - base
+                        moved_end = moved_rows(d, file_index, seg.start, seg.stop) if alike \
+                            else seg.start
+                        if moved_end > seg.start:
+                            move(source, seg.start, moved_end, base)
+                            stats.digests.append([file_index, seg.start, moved_end, "",
+                                                  "stored"])
+                            lo = moved_end - base
+                            stats.rows = written
+                            if progress:
+                                progress(stats.rows)
+                        if lo == end:
+                            continue
+                        if lossy is not None:
+                            raise BadCheckpointError(
+                                f"dataset '/{d.name}' of checkpoint file "
+                                f"{str(plan.file_path(file_index))!r} is stored with a lossy "
+                                f"filter ({lossy}) and its chunks cannot move unchanged "
+                                "(another chunk shape or filter parameters than the final "
+                                "checkpoint's, chunks not written, or rows off the chunk "
+                                "grid): encoding its rows again would change their values")
+                        digest = hashlib.sha256()
+                        first_row = lo + base
+                        while lo < end:
+                            if pending_rows == len(buffer):
+                                flush()
+                            take = min(len(buffer) - pending_rows, end - lo)
+                            rows = buffer[pending_rows:pending_rows + take]
+                            read_padded(source, lo, rows, provides)
+                            digest.update(as_bytes(rows))
+                            pending_rows, lo = pending_rows + take, lo + take
+                            stats.rows = written + pending_rows
+                            if progress:
+                                progress(stats.rows)
+                        stats.digests.append([file_index, first_row, seg.stop,
+                                              digest.hexdigest()])
+                finally:
+                    fid.close()
+                    os.close(src_fd)
+            flush()
+            part.flush()
+        finally:
+            os.close(part_fd)
+            if fallback is not None:
+                fallback.close()
         stats.bytes = written * d.row_bytes
     run.rename(temp, final)
     return stats

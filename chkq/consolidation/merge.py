@@ -3,7 +3,7 @@
 Runs once, after every copy task, in one process (HDF5 cannot be written
 by two at once), on the output the planner made (checked by inode).
 ``chunks`` datasets receive their part files' encoded chunks with
-``read_direct_chunk``/``write_direct_chunk`` (no decompression); ``whole``
+``write_direct_chunk`` (no decompression); ``whole``
 datasets (variable-length data, references) receive their rows through
 HDF5, file by file, in HDF5's own memory form (:mod:`chkq.consolidation.vlen`), each
 object or region reference re-pointed to the object of the same name in
@@ -13,6 +13,8 @@ the output.
 from __future__ import annotations
 
 import os
+import struct
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +23,8 @@ import numpy as np
 from h5py import h5r, h5t
 
 from chkq.consolidation import vlen
-from chkq.consolidation.checkpoint_files import open_checkpoint_id
-from chkq.consolidation.copy_rows import open_output_fd, open_source
+from chkq.consolidation.checkpoint_files import MIN_HOLD_BYTES
+from chkq.consolidation.copy_rows import PART_MAGIC, PART_RECORD, open_output_fd, open_source
 from chkq.consolidation.plan import DatasetPlan, Plan
 from chkq.consolidation.rowio import block_rows
 from chkq.consolidation.stamps import check_descriptor
@@ -49,13 +51,15 @@ def merge_parts(plan: Plan) -> int:
             if parts or whole:
                 with h5py.File(fd_path(fd), "r+", libver=tuple(plan.libver)) as out:
                     check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
+                    limit = max(plan.block_bytes, MIN_HOLD_BYTES)
                     for index in parts:
-                        target = out[plan.datasets[index].name]
+                        d = plan.datasets[index]
+                        target = out[d.name]
                         for unit in plan.copy_units:
                             if unit.part is None or unit.pieces[0][0] != index:
                                 continue
-                            with _open_part(run, plan.job.part(unit.part)) as part:
-                                moved += _move_chunks(part["data"], target, unit.pieces[0][1])
+                            moved += _move_chunks(run, plan.job.part(unit.part), d, target,
+                                                  limit)
                     if whole:
                         moved += _copy_whole(run, plan, [plan.datasets[i] for i in whole], out)
             os.fsync(fd)
@@ -64,13 +68,47 @@ def merge_parts(plan: Plan) -> int:
     return moved
 
 
-def _open_part(run: RunDir, path: Path) -> h5py.File:
-    """Open a part file of the job through ``run`` (no link followed at any level)."""
+def read_part(run: RunDir, path: Path, d: DatasetPlan, limit: int
+              ) -> Iterator[tuple[tuple[int, ...], int, bytes]]:
+    """The chunks of a part file (:class:`chkq.consolidation.copy_rows.PartWriter`), in order.
+
+    Yields each chunk's output offset, filter mask and stored bytes. The
+    file is opened through ``run`` (no link followed at any level). It sits
+    in the run directory, whose owner could rewrite it: a record that does
+    not fit (a chunk larger than ``limit`` bytes, an offset off the
+    dataset's chunk grid or past its end, a file cut short) is refused,
+    and any other change is what verification finds in the output's rows.
+
+    Raises
+    ------
+    BadCheckpointError
+        Naming the part file and what is wrong with it.
+    """
     fd = run.open_file(path)
-    try:
-        return h5py.File(open_checkpoint_id(path, fd))
-    finally:
-        os.close(fd)
+    axes = len(d.chunk)
+    where_format = struct.Struct(f"<{axes}q")
+    extent = [d.total, *d.trailing]
+    with os.fdopen(fd, "rb", buffering=1 << 20) as fh:
+        if fh.read(len(PART_MAGIC)) != PART_MAGIC:
+            raise BadCheckpointError(f"part file {str(path)!r} of the job is not one it wrote")
+        while True:
+            head = fh.read(PART_RECORD.size)
+            if not head:
+                return
+            raw = fh.read(where_format.size)
+            if len(head) != PART_RECORD.size or len(raw) != where_format.size:
+                raise BadCheckpointError(f"part file {str(path)!r} of the job is cut short")
+            size, mask = PART_RECORD.unpack(head)
+            where = where_format.unpack(raw)
+            if size > limit or any(w < 0 or w >= n or w % c for w, n, c in zip(
+                    where, extent, d.chunk, strict=True)):
+                raise BadCheckpointError(
+                    f"part file {str(path)!r} of the job holds a chunk at {where} of {size} "
+                    f"bytes, which dataset '/{d.name}' cannot have: it was changed")
+            data = fh.read(size)
+            if len(data) != size:
+                raise BadCheckpointError(f"part file {str(path)!r} of the job is cut short")
+            yield where, mask, data
 
 
 def remove_parts(plan: Plan) -> None:
@@ -81,14 +119,11 @@ def remove_parts(plan: Plan) -> None:
                 run.unlink(plan.job.part(unit.part))
 
 
-def _move_chunks(source: h5py.Dataset, target: h5py.Dataset, row_offset: int) -> int:
-    """Copy every stored chunk of ``source`` into ``target``, ``row_offset`` rows down."""
+def _move_chunks(run: RunDir, path: Path, d: DatasetPlan, target: h5py.Dataset,
+                 limit: int) -> int:
+    """Store every chunk of the part file ``path`` in ``target`` as it stands; the bytes moved."""
     moved = 0
-    stored: list[tuple[int, ...]] = []
-    source.id.chunk_iter(lambda info: stored.append(info.chunk_offset))
-    for offset in stored:
-        mask, data = source.id.read_direct_chunk(offset)
-        where = (offset[0] + row_offset, *offset[1:])
+    for where, mask, data in read_part(run, path, d, limit):
         target.id.write_direct_chunk(where, data, mask)
         moved += len(data)
     return moved

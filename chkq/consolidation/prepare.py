@@ -28,6 +28,7 @@ from chkq.consolidation.checkpoint_files import (
     scan_file,
     walk_objects,
 )
+from chkq.consolidation.chunk_encoding import lossy_filter
 from chkq.consolidation.discovery import (
     Checkpoint,
     check_model_name,
@@ -103,6 +104,50 @@ def describe_template(reference: Path, names: list[str], totals: dict[str, list[
     finally:
         fid.close()
     return datasets
+
+
+def check_lossy_chunks(reference: Path, template: int, datasets: list[DatasetPlan],
+                       paths: list[Path]) -> None:
+    """Refuse a run whose lossily filtered rows could not all move as the chunks they are in.
+
+    A lossy filter (:func:`chkq.consolidation.chunk_encoding.lossy_filter`) gives other
+    values when rows are decoded and encoded again at other chunk
+    boundaries, so such a dataset's chunks must move unchanged: every file
+    with rows must start on the dataset's chunk grid in the output, and end
+    on it too unless it ends the dataset. ``template`` is the template's
+    descriptor, ``paths`` the run's files in row order.
+
+    Raises
+    ------
+    BadCheckpointError
+        Naming the dataset, its filter and the first file whose rows fall
+        off the grid, before anything is written.
+    """
+    fid = open_checkpoint_id(reference, template)
+    try:
+        lossy = {d.name: lossy_filter(h5d.open(fid, d.name.encode()).get_create_plist())
+                 for d in datasets if d.mode == "chunks"}
+    finally:
+        fid.close()
+    for d in datasets:
+        codec = lossy.get(d.name)
+        if codec is None:
+            continue
+        per_chunk = d.chunk[0]
+        for index, path in enumerate(paths):
+            start, stop = d.rows_of(index)
+            if stop == start or (start % per_chunk == 0
+                                 and (stop % per_chunk == 0 or stop == d.total)):
+                continue
+            where = (f"starts at row {start} of the output" if start % per_chunk
+                     else f"ends at row {stop} of the output, inside a chunk")
+            raise BadCheckpointError(
+                f"dataset '/{d.name}' is stored with a lossy filter ({codec}): chkq can only "
+                f"move its chunks unchanged, and checkpoint file {str(path)!r} {where}, off "
+                f"the dataset's grid of {per_chunk}-row chunks, so its rows would have to be "
+                "encoded again, which would change their values; nothing was written (for "
+                f"such a run each file's rows must be a multiple of {per_chunk}, but the "
+                "last file's)")
 
 
 def check_memory(scans: list[FileScan], block_bytes: int) -> None:
@@ -600,6 +645,7 @@ def prepare(
             datasets = describe_template(reference, names,
                                          {n: padded_offsets(n, scans, padding) for n in names},
                                          block_bytes, template)
+            check_lossy_chunks(reference, template, datasets, [s.scan.path for s in scanned])
             check_writable_dir(job.out_dir, "output directory")
             rundir.unlink(job.temp)
             layout, inode, bounds = create_skeleton(
