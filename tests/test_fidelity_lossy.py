@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from chkq.workers.client import submit_consolidation
-from tests.helpers import snapshot
+from support.helpers import snapshot
 
 TIMEOUT = 120
 CHUNK = 100
