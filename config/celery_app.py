@@ -48,8 +48,8 @@ def _backend_class(base: type) -> type:
 
 
 #: URL schemes whose result backend class is Celery's own, named without asking every
-#: installed package for its ``celery.result_backends`` entry points (a scan of all their
-#: metadata: tens of milliseconds of every client's start).
+#: installed package for its ``celery.result_backends`` entry points (a read of every
+#: package's metadata, in every client's start).
 BUILTIN_BACKENDS = {
     "redis": "celery.backends.redis:RedisBackend",
     "rediss": "celery.backends.redis:RedisBackend",
