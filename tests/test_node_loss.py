@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
 from chkq.workers.request import requeue_delay
 from support.helpers import assert_consolidated
-from support.plugins.cluster import WorkerProcess
+from support.plugins.faults import Cluster
 
 MiB = 1024 * 1024
 
@@ -113,55 +114,52 @@ def _consolidate(directory: Path) -> tuple[dict[str, Any], int]:
     return dict(AsyncResult(task_id(job.id, "plan"), app=get_app()).result), len(files)
 
 
-@pytest.fixture
-def rates(redis_server: PrivateRedis) -> Any:
-    """The result backend's rate records, empty at the start and the end of the test."""
-    client = redis.Redis.from_url(redis_server.url)
-    keys = [RATE_KEY.format(kind=k) for k in RATE_KINDS]
-    client.delete(*keys)
-    yield client
-    client.delete(*keys)
+#: The default limits: a cluster of a test's own starts its workers with short ones.
+DEFAULT_LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "240", "CHKQ_TIME_LIMIT": "300",
+                  "CHKQ_VISIBILITY_TIMEOUT": "420"}
 
 
-def test_a_worker_records_its_own_rates(redis_server: PrivateRedis, rates: Any,
+def test_a_worker_records_its_own_rates(make_cluster: Callable[..., Cluster],
                                         tmp_path: Path) -> None:
     """Each copy, verification and merge of a MiB or more is timed; the node's rate is kept
-    under its name, and the planner finds it as the slowest."""
-    worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path)
-    try:
-        _consolidate(tmp_path / "run")
-        for kind in RATE_KINDS:
-            recorded = {n.decode(): json.loads(v)
-                        for n, v in rates.hgetall(RATE_KEY.format(kind=kind)).items()}
-            assert list(recorded) == [worker.name], kind
-            (rate, when), = recorded.values()
-            assert rate > 0 and abs(time.time() - when) < 300, (kind, rate, when)
-            assert slowest_rates(get_app())[kind] == rate
-    finally:
-        worker.stop()
+    under its name, and the planner finds it as the slowest.
+
+    The cluster is the test's own, so that no other worker of the session takes a task
+    of the job or has left a rate.
+    """
+    cluster = make_cluster()
+    worker, = cluster.add_workers(1, "control,copy,verify,commit", env=DEFAULT_LIMITS)
+    rates = cluster.client()
+    _consolidate(tmp_path / "run")
+    for kind in RATE_KINDS:
+        recorded = {n.decode(): json.loads(v)
+                    for n, v in rates.hgetall(RATE_KEY.format(kind=kind)).items()}
+        assert list(recorded) == [worker.name], kind
+        (rate, when), = recorded.values()
+        assert rate > 0 and abs(time.time() - when) < 300, (kind, rate, when)
+        assert slowest_rates(get_app())[kind] == rate
 
 
-def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(redis_server: PrivateRedis,
-                                                          rates: Any, tmp_path: Path) -> None:
+def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(make_cluster: Callable[..., Cluster],
+                                                          tmp_path: Path) -> None:
     """A node measured at 2 MiB/s and a budget of 2 s: the next job's copy units hold at
     most 4 MiB of rows (plus one chunk), and its output is still right. Its merge, one task
     whatever its size, measured at 1 kB/s: the worker warns that it may hit the limit."""
-    worker = WorkerProcess(redis_server.url, "control,copy,verify,commit", 1, tmp_path,
-                           {"CHKQ_TASK_SECONDS": "2"})
-    try:
-        unbounded, _ = _consolidate(tmp_path / "first")
-        for kind in RATE_KINDS:
-            rates.hset(RATE_KEY.format(kind=kind), "slow@node",
-                       json.dumps([1e3 if kind == "merge" else 2 * MiB, time.time()]))
-        budgeted, _ = _consolidate(tmp_path / "second")
-        print(f"\ncopy units: {unbounded['copy_units']} by bytes, {budgeted['copy_units']} "
-              "at 2 MiB/s and 2 s a unit")
-        assert budgeted["copy_units"] > unbounded["copy_units"]
-        assert budgeted["copy_units"] >= budgeted["bytes"] // (4 * MiB)
-        warnings = [line for line in worker.log().splitlines() if "is expected to take" in line]
-        assert [w.split(" task of ")[0].split()[-1] for w in warnings] == ["merge"], warnings
-    finally:
-        worker.stop()
+    cluster = make_cluster()
+    worker, = cluster.add_workers(1, "control,copy,verify,commit",
+                                  env={**DEFAULT_LIMITS, "CHKQ_TASK_SECONDS": "2"})
+    rates = cluster.client()
+    unbounded, _ = _consolidate(tmp_path / "first")
+    for kind in RATE_KINDS:
+        rates.hset(RATE_KEY.format(kind=kind), "slow@node",
+                   json.dumps([1e3 if kind == "merge" else 2 * MiB, time.time()]))
+    budgeted, _ = _consolidate(tmp_path / "second")
+    print(f"\ncopy units: {unbounded['copy_units']} by bytes, {budgeted['copy_units']} "
+          "at 2 MiB/s and 2 s a unit")
+    assert budgeted["copy_units"] > unbounded["copy_units"]
+    assert budgeted["copy_units"] >= budgeted["bytes"] // (4 * MiB)
+    warnings = [line for line in worker.log().splitlines() if "is expected to take" in line]
+    assert [w.split(" task of ")[0].split()[-1] for w in warnings] == ["merge"], warnings
 
 
 def test_an_outage_is_never_recorded_as_a_tasks_failure(redis_server: PrivateRedis) -> None:
