@@ -276,7 +276,7 @@ def check_storage(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID
 
 
 def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCID,
-                   tid: h5t.TypeID) -> int:
+                   tid: h5t.TypeID, index: ChunkIndex | None = None) -> int:
     """Bytes a chunked dataset declares in chunks it does not store; refuse a forged one.
 
     Each stored chunk holds its share of the dataset's extent (clipped at
@@ -287,7 +287,8 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
     filtered, at most :data:`MAX_FILTER_RATIO` times it. The walk visits
     stored chunks only, so it costs what the file holds, whatever it
     declares. Not chunked: 0 (contiguous and compact data is read only
-    where it is stored).
+    where it is stored). ``index``: the dataset's :func:`chunk_index`, if
+    the caller read it already (the scan reads it once per dataset).
 
     Raises
     ------
@@ -300,14 +301,10 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
     chunk = dcpl.get_chunk()
     size = tid.get_size()
     held, stored = 0, 0
-
-    def record(info: h5d.StoreInfo) -> None:
-        nonlocal held, stored
+    for info in (chunk_index(dsid, chunk, shape) if index is None else index).values():
         held += size * element_count([min(c, extent - o) for o, c, extent
                                       in zip(info.chunk_offset, chunk, shape, strict=True)])
         stored += int(info.size)
-
-    dsid.chunk_iter(record)
     if held > stored * (MAX_FILTER_RATIO if dcpl.get_nfilters() else 1):
         raise BadCheckpointError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
                          f"{held} bytes in chunks that store only {stored} bytes: the file "
@@ -327,32 +324,49 @@ def memory_need(dcpl: h5p.PropDCID, tid: h5t.TypeID, shape: tuple[int, ...]) -> 
     return row
 
 
-def stored_chunks(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...]
-                  ) -> list[tuple[tuple[int, ...], h5d.StoreInfo | None]]:
-    """Every chunk of a dataset in row-major order: its grid coordinates and storage info.
+#: A dataset's stored chunks by grid coordinates (:func:`chunk_index`).
+ChunkIndex = dict[tuple[int, ...], h5d.StoreInfo]
 
-    One pass over HDF5's chunk index; the info is None for a chunk not stored.
+
+def chunk_index(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...]
+                ) -> ChunkIndex:
+    """Every stored chunk of a dataset by its grid coordinates: one pass over HDF5's index.
+
+    Empty for a dataset with no element (its grid has no chunk).
     """
-    grid = [-(-size // c) for size, c in zip(shape, chunk, strict=True)]
-    found: dict[tuple[int, ...], h5d.StoreInfo] = {}
+    found: ChunkIndex = {}
 
     def record(info: h5d.StoreInfo) -> None:
         found[tuple(o // c for o, c in zip(info.chunk_offset, chunk, strict=True))] = info
 
-    if all(grid):
+    if shape and all(shape):
         dsid.chunk_iter(record)
-    return [(coords, found.get(coords)) for coords in np.ndindex(*grid)]
+    return found
+
+
+def stored_chunks(dsid: h5d.DatasetID, chunk: tuple[int, ...], shape: tuple[int, ...],
+                  index: ChunkIndex | None = None
+                  ) -> list[tuple[tuple[int, ...], h5d.StoreInfo | None]]:
+    """Every chunk of a dataset in row-major order: its grid coordinates and storage info.
+
+    One pass over HDF5's chunk index (none if ``index``, the dataset's
+    :func:`chunk_index`, is given); the info is None for a chunk not stored.
+    """
+    grid = [-(-size // c) for size, c in zip(shape, chunk, strict=True)]
+    found = chunk_index(dsid, chunk, shape) if index is None else index
+    return [(coords, found.get(coords)) for coords in np.ndindex(*grid)] if all(grid) else []
 
 
 def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...],
-                 element_size: int) -> list[int] | None:
+                 element_size: int, index: ChunkIndex | None = None) -> list[int] | None:
     """Rows per chunk, then each chunk's file offset in row order, if chunks hold plain rows.
 
     True of a chunked, unfiltered dataset whose chunks span whole rows and
     are all stored: its rows can then be copied byte for byte from these
     offsets without opening the file through HDF5 (the verify step reads
     them back through HDF5, which checks the offsets). None otherwise.
-    ``dcpl``, ``shape`` and ``element_size`` are the dataset's.
+    ``dcpl``, ``shape`` and ``element_size`` are the dataset's; ``index``
+    its :func:`chunk_index`, if read already.
     """
     if dcpl.get_layout() != h5d.CHUNKED or dcpl.get_nfilters() != 0:
         return None
@@ -360,11 +374,11 @@ def plain_chunks(dsid: h5d.DatasetID, dcpl: h5p.PropDCID, shape: tuple[int, ...]
     if tuple(chunk[1:]) != tuple(shape[1:]):
         return None
     chunk_bytes = element_size * element_count(chunk)
-    if dsid.get_num_chunks() != element_count([-(-n // c) for n, c in zip(shape, chunk,
-                                                                          strict=True)]):
+    stored = dsid.get_num_chunks() if index is None else len(index)
+    if stored != element_count([-(-n // c) for n, c in zip(shape, chunk, strict=True)]):
         return None  # some chunk is not stored (the grid itself is not walked)
     offsets = [int(chunk[0])]
-    for _, info in stored_chunks(dsid, chunk, shape):
+    for _, info in stored_chunks(dsid, chunk, shape, index):
         if (info is None or info.byte_offset is None or info.size != chunk_bytes
                 or info.filter_mask):
             return None
@@ -436,7 +450,10 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                         dcpl, tid = dsid.get_create_plist(), dsid.get_type()
                         extensible_types[name] = (dsid, tid, space.shape)
                         check_storage(path, name, dsid, dcpl, tid)
-                        unstored = declared_bytes(path, name, dsid, dcpl, tid)
+                        # One walk of the chunk index serves both checks below.
+                        index = (chunk_index(dsid, dcpl.get_chunk(), space.shape)
+                                 if dcpl.get_layout() == h5d.CHUNKED else None)
+                        unstored = declared_bytes(path, name, dsid, dcpl, tid, index)
                         unwritten += unstored
                         if unstored > worst[0]:
                             worst = (unstored, name, int(space.shape[0]))
@@ -447,7 +464,7 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                         signature = _signature_of(tid)
                         scan.objects[name] = f"extensible {signature} {trailing}"
                         scan.rows[name] = int(space.shape[0])
-                        found = plain_chunks(dsid, dcpl, space.shape, tid.get_size())
+                        found = plain_chunks(dsid, dcpl, space.shape, tid.get_size(), index)
                         if found is not None:
                             scan.plain_chunks[name] = found
                     else:
