@@ -1,7 +1,12 @@
 """Moving part files and variable-length rows into the output, then making it durable.
 
-Runs once, after every copy task, in one process (HDF5 cannot be written
-by two at once), on the output the planner made (checked by inode).
+Runs after every copy task, in pieces run one after another, never two at
+once (HDF5 cannot be written by two processes), on the output the planner
+made (checked by inode). The merge's work is a list of items
+(:func:`merge_items`: each part file, then each checkpoint file's
+variable-length rows); a piece does the next items that fit in a byte
+bound (:func:`next_piece`), so that no piece outlasts a task's time budget,
+and ends with the output fsynced.
 ``chunks`` datasets receive their part files' encoded chunks with
 ``write_direct_chunk`` (no decompression); ``whole``
 datasets (variable-length data, references) receive their rows through
@@ -15,6 +20,7 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,33 +41,99 @@ from chkq.rundir import READ, RunDir, fd_path
 WHOLE_BLOCK_ROWS = 65536
 
 
-def merge_parts(plan: Plan) -> int:
-    """Merge part files and variable-length rows into the temporary output and fsync it.
+@dataclass(frozen=True)
+class MergeItem:
+    """One part file (``kind`` "part", ``index`` its copy unit) or one checkpoint file's rows
+    of the variable-length and reference datasets (``kind`` "whole", ``index`` the file),
+    with the plain ``bytes`` of its rows."""
 
-    Returns the bytes moved. Part files are left for :func:`remove_parts`,
-    called once the merge is recorded, so that an interrupted merge can run
-    again from the start.
+    kind: str
+    index: int
+    bytes: int
+
+
+def merge_items(plan: Plan) -> list[MergeItem]:
+    """The merge's work in the order it is done: each part file, then each file's whole rows.
+
+    Each item is merged by one piece of the merge, whole; its ``bytes`` are
+    the plain size of its rows (what the merge rate is measured against),
+    known from the plan alone.
+    """
+    items = []
+    for index, d in enumerate(plan.datasets):
+        if d.mode != "chunks":
+            continue
+        for number, unit in enumerate(plan.copy_units):
+            if unit.part is not None and unit.pieces[0][0] == index:
+                items.append(MergeItem("part", number, sum(
+                    (b - a) * plan.datasets[i].row_bytes for i, a, b in unit.pieces)))
+    whole = [d for d in plan.datasets if d.mode == "whole"]
+    if whole:
+        for file_index in range(len(plan.files)):
+            size = sum((stop - start) * d.row_bytes
+                       for d in whole for start, stop in [d.rows_of(file_index)])
+            items.append(MergeItem("whole", file_index, size))
+    return items
+
+
+def next_piece(items: list[MergeItem], done: set[int], limit: int) -> list[int]:
+    """The items (by position) the next piece of the merge does: at most ``limit`` bytes.
+
+    The first items not ``done``, in order, as many as fit in ``limit``
+    bytes, and always one at least (an item is never split).
+    """
+    piece: list[int] = []
+    size = 0
+    for number, item in enumerate(items):
+        if number in done:
+            continue
+        if piece and size + item.bytes > limit:
+            break
+        piece.append(number)
+        size += item.bytes
+    return piece
+
+
+def merge_parts(plan: Plan) -> int:
+    """Merge every part file and variable-length row into the temporary output and fsync it.
+
+    Returns the bytes moved: the merge in one piece (:func:`merge_piece`).
+    """
+    items = merge_items(plan)
+    return merge_piece(plan, items, list(range(len(items))))
+
+
+def merge_piece(plan: Plan, items: list[MergeItem], piece: list[int]) -> int:
+    """Merge the items numbered ``piece`` of ``items`` into the temporary output and fsync it.
+
+    Returns the bytes moved. The output is fsynced even when ``piece`` is
+    empty (the copies wrote into it). Running a piece again, whole or after
+    an interruption, writes the same bytes at the same places: chunks are
+    stored at their offsets, rows written at their rows, references
+    re-pointed from the checkpoint's own (never from the output). Part
+    files are left for :func:`remove_parts`, called once the whole merge is
+    recorded.
     """
     moved = 0
-    parts = [i for i, d in enumerate(plan.datasets) if d.mode == "chunks"]
-    whole = [i for i, d in enumerate(plan.datasets) if d.mode == "whole"]
+    chosen = [items[n] for n in piece]
+    whole = [d for d in plan.datasets if d.mode == "whole"]
     with plan.open_run() as run:
         fd = open_output_fd(run, plan, READ)
         try:
-            if parts or whole:
+            if chosen:
                 with h5py.File(fd_path(fd), "r+", libver=tuple(plan.libver)) as out:
                     check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
                     limit = max(plan.block_bytes, MIN_HOLD_BYTES)
-                    for index in parts:
-                        d = plan.datasets[index]
-                        target = out[d.name]
-                        for unit in plan.copy_units:
-                            if unit.part is None or unit.pieces[0][0] != index:
-                                continue
-                            moved += _move_chunks(run, plan.job.part(unit.part), d, target,
-                                                  limit)
-                    if whole:
-                        moved += _copy_whole(run, plan, [plan.datasets[i] for i in whole], out)
+                    for item in chosen:
+                        if item.kind == "part":
+                            unit = plan.copy_units[item.index]
+                            d = plan.datasets[unit.pieces[0][0]]
+                            if unit.part is None:
+                                raise ValueError(f"copy unit {item.index} wrote no part file")
+                            moved += _move_chunks(run, plan.job.part(unit.part), d,
+                                                  out[d.name], limit)
+                        else:
+                            moved += _copy_whole(run, plan, whole, out, item.index)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -129,32 +201,32 @@ def _move_chunks(run: RunDir, path: Path, d: DatasetPlan, target: h5py.Dataset,
     return moved
 
 
-def _copy_whole(run: RunDir, plan: Plan, datasets: list[DatasetPlan], out: h5py.File) -> int:
-    """Copy the rows of variable-length and reference datasets from every file, in order."""
+def _copy_whole(run: RunDir, plan: Plan, datasets: list[DatasetPlan], out: h5py.File,
+                file_index: int) -> int:
+    """Copy file ``file_index``'s rows of variable-length and reference datasets."""
     moved = 0
-    for file_index in range(len(plan.files)):
-        fid, fd = open_source(run, plan, file_index)
-        try:
-            source = h5py.File(fid)
-            for d in datasets:
-                start, stop = d.rows_of(file_index)
-                if stop == start:
-                    continue
-                src, dst = source[d.name], out[d.name]
-                tid = dst.id.get_type()
-                step = min(WHOLE_BLOCK_ROWS, block_rows(d.row_bytes, plan.block_bytes))
-                for lo in range(0, stop - start, step):
-                    hi = min(stop - start, lo + step)
-                    if tid.get_class() == h5t.REFERENCE:
-                        dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name,
-                                                             plan.file_path(file_index))
-                    else:
-                        with vlen.read_rows(src.id, lo, hi - lo, tid) as rows:
-                            vlen.write_rows(dst.id, start + lo, rows, tid)
-                    moved += (hi - lo) * d.row_bytes
-        finally:
-            fid.close()
-            os.close(fd)
+    fid, fd = open_source(run, plan, file_index)
+    try:
+        source = h5py.File(fid)
+        for d in datasets:
+            start, stop = d.rows_of(file_index)
+            if stop == start:
+                continue
+            src, dst = source[d.name], out[d.name]
+            tid = dst.id.get_type()
+            step = min(WHOLE_BLOCK_ROWS, block_rows(d.row_bytes, plan.block_bytes))
+            for lo in range(0, stop - start, step):
+                hi = min(stop - start, lo + step)
+                if tid.get_class() == h5t.REFERENCE:
+                    dst[start + lo:start + hi] = repoint(src[lo:hi], source, out, d.name,
+                                                         plan.file_path(file_index))
+                else:
+                    with vlen.read_rows(src.id, lo, hi - lo, tid) as rows:
+                        vlen.write_rows(dst.id, start + lo, rows, tid)
+                moved += (hi - lo) * d.row_bytes
+    finally:
+        fid.close()
+        os.close(fd)
     return moved
 
 
