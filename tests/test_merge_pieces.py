@@ -1,0 +1,170 @@
+"""A merge cut into pieces by the task byte bound, on real workers, with and without faults.
+
+The run has a gzip dataset whose file boundaries fall inside chunks (its
+rows go through part files of encoded chunks), variable-length strings and
+object references (their rows are copied file by file). With
+``CHKQ_TASK_BYTES`` small, the merge takes several pieces, each a delivery
+of ``chkq.merge`` under the same id. Each test checks what a user would:
+the output holds every checkpoint's rows, its stored chunks are byte for
+byte those of a merge done in one piece, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from chkq.config.celery_app import get_app
+from chkq.config.routing import CONTROL_QUEUE
+from chkq.consolidation.driver import consolidate_here
+from chkq.consolidation.merge import merge_items
+from chkq.tasks import protocol
+from chkq.tasks.base import deliveries_key
+from chkq.tasks.consolidate import task_id
+from chkq.workers.client import submit_consolidation
+from support.h5runs import make_run
+from support.helpers import wait_for
+from support.plugins.faults import Cluster, leftovers
+
+pytestmark = [pytest.mark.fault,
+              pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+
+#: The byte bound of copy units and merge pieces: a few part files a piece.
+TASK_BYTES = 256 * 1024
+PIECES = {"CHKQ_TASK_BYTES": str(TASK_BYTES)}
+ROWS = 60001
+JOB_SECONDS = 120
+
+
+def build(f: h5py.File, n: int) -> None:
+    """A checkpoint: gzip rows in small chunks, strings and references, ``ROWS + n`` rows."""
+    rows = ROWS + 7 * n
+    data = np.random.default_rng(n).integers(0, 50, size=(rows, 4)).astype("f4")
+    f.create_dataset("x", data=data, maxshape=(None, 4), chunks=(16, 4), compression="gzip")
+    f.create_dataset("names", data=[f"file{n}-row{i}" for i in range(40 + n)],
+                     maxshape=(None,), chunks=(8,), dtype=h5py.string_dtype())
+    f["grid"] = np.arange(5)
+    f.create_dataset("refs", data=[f["grid"].ref, f["x"].ref] * 3, maxshape=(None,),
+                     chunks=(4,), dtype=h5py.ref_dtype)
+
+
+def make_pieces_run(run: Path) -> list[Path]:
+    return make_run(run, build, checkpoints=3)
+
+
+def one_piece_output(run: Path, tmp_path: Path) -> Path:
+    """The same run consolidated here, with the same copy units, merged in one piece."""
+    here = tmp_path / "one-piece"
+    shutil.copytree(run, here)
+    return consolidate_here(here, "run", task_bytes=TASK_BYTES)
+
+
+def assert_same_output(output: Path, reference: Path, files: list[Path]) -> None:
+    """``output`` holds every file's rows, and stores ``x``'s chunks as ``reference`` does."""
+    with h5py.File(output) as out, h5py.File(reference) as ref:
+        x, rx = out["x"], ref["x"]
+        assert x.shape == rx.shape == (sum(ROWS + 7 * n for n in (1, 2, 3)), 4)
+        assert x.id.get_num_chunks() == rx.id.get_num_chunks()
+        for i in range(x.id.get_num_chunks()):
+            where = x.id.get_chunk_info(i).chunk_offset
+            assert x.id.read_direct_chunk(where) == rx.id.read_direct_chunk(where), where
+        parts = []
+        for path in files:
+            with h5py.File(path) as f:
+                parts.append(f["x"][()])
+        assert np.array_equal(x[()], np.concatenate(parts))
+        assert list(out["names"][()]) == list(ref["names"][()])
+        assert list(out["names"][()])[-1] == b"file3-row42"
+        assert [out[r].name for r in out["refs"][()]] == ["/grid", "/x"] * 9
+
+
+def merge_deliveries(cluster: Cluster, job: str) -> dict[int, int]:
+    """How often each piece of the merge (by its replacement nesting) was delivered."""
+    counts = {}
+    for nesting in range(200):
+        raw = cluster.client().get(deliveries_key(task_id(job, "merge"), 0, nesting))
+        if raw is None and nesting:
+            break
+        counts[nesting] = int(raw or 0)
+    return counts
+
+
+def items_merged(job: str) -> int:
+    return len(protocol.merge_items_done(job))
+
+
+@pytest.mark.slow
+def test_a_merge_in_pieces_gives_the_one_piece_output(make_cluster: Callable[..., Cluster],
+                                                      tmp_path: Path) -> None:
+    cluster = make_cluster()
+    cluster.add_workers(1, "control,copy,verify", 2, PIECES)
+    run = tmp_path / "run"
+    files = make_pieces_run(run)
+    reference = one_piece_output(run, tmp_path)
+    job = submit_consolidation("run", run)
+    output = job.wait_for_output(timeout=JOB_SECONDS)
+    assert_same_output(output, reference, files)
+    pieces = merge_deliveries(cluster, job.id)
+    assert len(pieces) >= 3, pieces
+    assert set(pieces.values()) == {1}, f"a piece was delivered twice: {pieces}"
+    assert leftovers(run) == []
+
+
+@pytest.mark.slow
+def test_pool_process_killed_inside_a_piece(make_cluster: Callable[..., Cluster],
+                                           tmp_path: Path) -> None:
+    """SIGKILL of the pool process while a later piece runs: that piece is done again."""
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", 1, PIECES)
+    run = tmp_path / "run"
+    files = make_pieces_run(run)
+    reference = one_piece_output(run, tmp_path)
+    job = submit_consolidation("run", run)
+    found: list[int] = []
+
+    def inside_a_later_piece() -> bool:
+        if items_merged(job.id) and cluster.running(task_id(job.id, "merge")):
+            found.append(items_merged(job.id))
+        return bool(found)
+
+    wait_for(inside_a_later_piece, JOB_SECONDS, "a later piece of the merge to run",
+             interval=0.01)
+    (child,) = worker.child_pids()
+    os.kill(child, signal.SIGKILL)
+    output = job.wait_for_output(timeout=JOB_SECONDS)
+    assert_same_output(output, reference, files)
+    pieces = merge_deliveries(cluster, job.id)
+    assert max(pieces.values()) == 2, f"no piece was delivered again: {pieces}"
+    assert leftovers(run) == []
+
+
+@pytest.mark.slow
+def test_worker_killed_between_pieces(make_cluster: Callable[..., Cluster],
+                                      tmp_path: Path) -> None:
+    """The only worker SIGKILLed while the next piece waits in the queue; a new one ends it."""
+    cluster = make_cluster()
+    (first,) = cluster.add_workers(1, "control,copy,verify", 1, PIECES)
+    run = tmp_path / "run"
+    files = make_pieces_run(run)
+    reference = one_piece_output(run, tmp_path)
+    job = submit_consolidation("run", run)
+    wait_for(lambda: items_merged(job.id), JOB_SECONDS, "the first piece of the merge",
+             interval=0.01)
+    get_app().control.cancel_consumer(CONTROL_QUEUE, destination=[first.name], reply=True)
+    wait_for(lambda: cluster.running(task_id(job.id, "merge")) is None, JOB_SECONDS,
+             "the running piece to end")
+    total = len(merge_items(protocol.recorded_plan(job.id)))  # type: ignore[arg-type]
+    done = items_merged(job.id)
+    assert 0 < done < total, (done, total)
+    first.kill()
+    cluster.add_workers(1, "control,copy,verify", 1, PIECES)
+    output = job.wait_for_output(timeout=JOB_SECONDS + 15)
+    assert_same_output(output, reference, files)
+    assert leftovers(run) == []
