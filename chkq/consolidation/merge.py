@@ -17,6 +17,8 @@ the output.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import struct
 from collections.abc import Iterator
@@ -26,7 +28,7 @@ from typing import Any
 
 import h5py
 import numpy as np
-from h5py import h5r, h5t
+from h5py import h5f, h5p, h5r, h5t
 
 from chkq.consolidation import vlen
 from chkq.consolidation.checkpoint_files import MIN_HOLD_BYTES
@@ -121,7 +123,7 @@ def merge_piece(plan: Plan, items: list[MergeItem], piece: list[int]) -> int:
         fd = open_output_fd(run, plan, READ)
         try:
             if chosen:
-                with h5py.File(fd_path(fd), "r+", libver=tuple(plan.libver)) as out:
+                with open_for_merge(fd_path(fd), plan.libver) as out:
                     check_descriptor(plan.job.temp, out.id.get_vfd_handle(), plan.temp_inode)
                     limit = max(plan.block_bytes, MIN_HOLD_BYTES)
                     for item in chosen:
@@ -138,6 +140,68 @@ def merge_piece(plan: Plan, items: list[MergeItem], piece: list[int]) -> int:
         finally:
             os.close(fd)
     return moved
+
+
+def open_for_merge(name: str, libver: list[str]) -> h5py.File:
+    """The output opened for writing by one piece of the merge, whatever a killed piece left.
+
+    A process killed with the file open leaves it marked as open for
+    writing (superblock version 3, written under bounds of 1.10 or later),
+    and HDF5 would refuse it for ever: the mark is cleared on opening, as
+    ``h5clear`` does. Pieces run one after another, and HDF5's file lock
+    still refuses a second writer. The metadata cache holds every change of
+    the piece until the file is closed (no eviction writes part of it
+    earlier), so that a piece killed midway leaves the metadata as the last
+    piece closed it, on which the piece, run again, writes the same rows.
+    """
+    fapl = h5p.create(h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(_LIBVER[libver[0]], _LIBVER[libver[1]])
+    clear = ctypes.c_bool(True)
+    if _hdf5(fapl).H5Pset(ctypes.c_int64(fapl.id), b"clear_status_flags", ctypes.byref(clear)) < 0:
+        raise RuntimeError("HDF5 has no file access property clear_status_flags")
+    out = h5py.File(h5f.open(name.encode(), h5f.ACC_RDWR, fapl=fapl))
+    try:
+        config = out.id.get_mdc_config()
+        config.evictions_enabled = False
+        config.incr_mode = config.flash_incr_mode = config.decr_mode = 0
+        out.id.set_mdc_config(config)
+    except BaseException:
+        out.close()
+        raise
+    return out
+
+
+#: h5py's names of library version bounds, as HDF5's constants.
+_LIBVER = {"earliest": h5f.LIBVER_EARLIEST, "v108": h5f.LIBVER_V18, "v110": h5f.LIBVER_V110,
+           "v112": h5f.LIBVER_V112, "v114": h5f.LIBVER_V114, "v200": h5f.LIBVER_V200,
+           "latest": h5f.LIBVER_LATEST}
+
+
+def _hdf5(fapl: h5p.PropFAID) -> ctypes.CDLL:
+    """The HDF5 library h5py runs on (for ``H5Pset``, which h5py does not wrap).
+
+    Another copy of HDF5 may be loaded too (netCDF4's): h5py's is the one
+    that knows ``fapl``.
+    """
+    for path in _loaded_hdf5():
+        library = ctypes.CDLL(path)
+        if library.H5Iis_valid(ctypes.c_int64(fapl.id)) > 0:
+            return library
+    raise RuntimeError("h5py's HDF5 library is not among those loaded in this process")
+
+
+@functools.cache
+def _loaded_hdf5() -> tuple[str, ...]:
+    """Paths of the HDF5 libraries loaded in this process (h5py loads its own first)."""
+    found: list[str] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            name = os.path.basename(path)
+            if name.startswith("libhdf5") and not name.startswith("libhdf5_hl") \
+                    and path not in found:
+                found.append(path)
+    return tuple(found)
 
 
 def read_part(run: RunDir, path: Path, d: DatasetPlan, limit: int
