@@ -133,14 +133,28 @@ def merge_lines(worker: WorkerProcess, job: str) -> tuple[int, int]:
     return started, sum(" skip task=" in line or " end task=" in line for line in lines)
 
 
+def opened(pid: int, path: Path) -> int:
+    """How many of process ``pid``'s descriptors are open on ``path``."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}") == str(path)
+        except FileNotFoundError:
+            continue
+    return count
+
+
 def stopped_inside_a_later_piece(worker: WorkerProcess, job: str) -> bool:
-    """Freeze the pool process (SIGSTOP) if it is inside a piece after the first; else False."""
+    """Freeze the pool process (SIGSTOP) if it has the output open in HDF5 in a piece after
+    the first (the piece's own descriptor and HDF5's); else False."""
     started, ended = merge_lines(worker, job)
     if started < 2 or ended == started:
         return False
+    plan = protocol.recorded_plan(job)
+    assert plan is not None
     (child,) = worker.child_pids()
     os.kill(child, signal.SIGSTOP)
-    if merge_lines(worker, job)[1] < started:
+    if merge_lines(worker, job)[1] < started and opened(child, plan.job.temp) >= 2:
         return True
     os.kill(child, signal.SIGCONT)
     return False
