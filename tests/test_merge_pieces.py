@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,12 +26,14 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE
 from chkq.consolidation.driver import consolidate_here
 from chkq.consolidation.merge import merge_items
+from chkq.errors import JobCancelledError
 from chkq.tasks import protocol
 from chkq.tasks.base import deliveries_key
 from chkq.tasks.consolidate import task_id
 from chkq.workers.client import submit_consolidation
+from chkq.workers.status import cancel_job
 from support.h5runs import make_run
-from support.helpers import wait_for
+from support.helpers import snapshot, wait_for
 from support.plugins.cluster import WorkerProcess
 from support.plugins.faults import Cluster, leftovers
 
@@ -209,4 +212,30 @@ def test_worker_killed_between_pieces(make_cluster: Callable[..., Cluster],
     cluster.add_workers(1, "control,copy,verify", 1, PIECES)
     output = job.wait_for_output(timeout=JOB_SECONDS + 15)
     assert_same_output(output, reference, files)
+    assert leftovers(run) == []
+
+
+@pytest.mark.slow
+def test_a_job_cancelled_between_pieces_merges_no_more(make_cluster: Callable[..., Cluster],
+                                                       tmp_path: Path) -> None:
+    """``chkq cancel`` during a merge in pieces: no piece starts after it, nothing is left."""
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", 1, PIECES)
+    run = tmp_path / "run"
+    make_pieces_run(run)
+    before = snapshot(run)
+    job = submit_consolidation("run", run)
+    wait_for(lambda: items_merged(job.id), JOB_SECONDS, "the first piece of the merge",
+             interval=0.01)
+    get_app().control.cancel_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
+    wait_for(lambda: cluster.running(task_id(job.id, "merge")) is None, JOB_SECONDS,
+             "the running piece to end")
+    cancel_job(job.id)
+    get_app().control.add_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
+    started = merge_lines(worker, job.id)[0]
+    with pytest.raises(JobCancelledError):
+        job.wait_for_output(timeout=JOB_SECONDS)
+    time.sleep(2)
+    assert merge_lines(worker, job.id)[0] == started, "a piece started after the cancellation"
+    assert snapshot(run) == before
     assert leftovers(run) == []
