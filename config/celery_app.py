@@ -47,11 +47,35 @@ def _backend_class(base: type) -> type:
     return type(base.__name__, (symbol_by_name(BACKEND_MIXIN), base), {})
 
 
+#: URL schemes whose result backend class is Celery's own, named without asking every
+#: installed package for its ``celery.result_backends`` entry points (a read of every
+#: package's metadata, in every client's start).
+BUILTIN_BACKENDS = {
+    "redis": "celery.backends.redis:RedisBackend",
+    "rediss": "celery.backends.redis:RedisBackend",
+    "sentinel": "celery.backends.redis:SentinelBackend",
+}
+
+
+def backend_by_url(backend: Any, loader: Any) -> tuple[type, str | None]:
+    """The result backend class and URL for ``backend``, as :func:`celery.app.backends.by_url`.
+
+    A Redis URL (:data:`BUILTIN_BACKENDS`, not overridden by the loader) resolves to
+    Celery's class directly; anything else goes through Celery's lookup.
+    """
+    if isinstance(backend, str) and "://" in backend:
+        scheme = backend.partition("://")[0]
+        if scheme in BUILTIN_BACKENDS and scheme not in loader.override_backends:
+            return symbol_by_name(BUILTIN_BACKENDS[scheme]), backend
+    base, url = backends.by_url(backend, loader)
+    return base, url
+
+
 class _Chkq(Celery):
     """The chkq app: its result backend's class is the configured one with :data:`BACKEND_MIXIN`."""
 
     def _get_backend(self) -> Any:
-        base, url = backends.by_url(self.backend_cls or self.conf.result_backend, self.loader)
+        base, url = backend_by_url(self.backend_cls or self.conf.result_backend, self.loader)
         return _backend_class(base)(app=self, url=url)
 
 

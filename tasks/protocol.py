@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import signature
 from celery.exceptions import ChordError
@@ -60,8 +60,6 @@ from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.security import record_key
 from chkq.consolidation.discovery import Checkpoint, checkpoint_pattern
-from chkq.consolidation.plan import Plan
-from chkq.consolidation.stamps import FileStamp
 from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
     BadMessageError,
@@ -71,6 +69,10 @@ from chkq.errors import (
     JobStateGoneError,
 )
 from chkq.lru import LRU
+
+if TYPE_CHECKING:
+    # Plans are read and written by workers only: a client does without their modules.
+    from chkq.consolidation.plan import Plan
 
 #: The steps of a job, in order (``link`` has the job's own id).
 STEPS = ("plan", "copy", "merge", "verify", "link")
@@ -412,6 +414,8 @@ def recorded_plan(job: str) -> Plan | None:
     raw = _client().get(key)
     if not raw:
         return None
+    from chkq.consolidation.plan import Plan
+
     text = _unseal(key, "", raw)
     try:
         plan = Plan.from_json(text)
@@ -451,6 +455,8 @@ def _check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) -
 def output_stamp(plan: Plan) -> list[int]:
     """The stamp of the job's temporary output now, looked up from the planned run directory
     down without following a link at any level."""
+    from chkq.consolidation.stamps import FileStamp
+
     with plan.open_run() as run:
         return FileStamp.of(run.lstat(plan.job.temp)).as_list()
 

@@ -35,3 +35,29 @@ def test_an_app_of_ones_own_is_used_and_the_previous_one_comes_back() -> None:
     finally:
         use_app(previous)
     assert get_app() is not own
+
+
+def test_a_redis_result_backend_is_found_without_asking_every_installed_package(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Celery's own Redis backend class, with chkq's mixin, and the same class Celery would pick."""
+    from celery.app import backends
+    from celery.backends.redis import RedisBackend
+
+    from chkq.config.celery_app import backend_by_url
+    from chkq.workers.result_backend import RequeueOutages
+
+    app = make_app(Settings(broker_url="redis://127.0.0.1:1/0"))
+    expected = {url: backends.by_url(url, app.loader)
+                for url in ("redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0",
+                            "sentinel://127.0.0.1:1/0", "cache+memory://")}
+
+    def scan(namespace: str) -> dict[str, str]:
+        raise AssertionError(f"entry points of {namespace} were scanned")
+
+    monkeypatch.setattr(backends, "load_extension_class_names", scan)
+    for url in ("redis://127.0.0.1:1/0", "rediss://127.0.0.1:1/0", "sentinel://127.0.0.1:1/0"):
+        assert backend_by_url(url, app.loader) == expected[url]
+    backend = app.backend
+    assert isinstance(backend, RedisBackend) and isinstance(backend, RequeueOutages)
+    monkeypatch.undo()
+    assert backend_by_url("cache+memory://", app.loader) == expected["cache+memory://"]

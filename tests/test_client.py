@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,3 +40,15 @@ def test_refusals_happen_before_anything_is_sent(worker: WorkerProcess, tmp_path
     (tmp_path / "run.h5").write_bytes(b"")
     with pytest.raises(FileExistsError, match="run.h5"):
         submit_consolidation("run", tmp_path)
+
+
+@pytest.mark.cluster
+def test_the_client_loads_no_hdf5_array_or_plan_modules() -> None:
+    """Submitting and waiting needs Redis and a message: h5py, numpy and the plan stay unloaded."""
+    program = ("import sys, chkq.workers.cli, chkq.workers.client\n"
+               "print(sorted(m for m in ('h5py', 'numpy', 'chkq.consolidation.plan',\n"
+               "                         'chkq.consolidation.stamps') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
