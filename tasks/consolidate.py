@@ -47,7 +47,7 @@ from chkq.consolidation.discovery import (
     check_out_dir,
 )
 from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
-from chkq.consolidation.merge import merge_parts, remove_parts
+from chkq.consolidation.merge import merge_items, merge_piece, next_piece, remove_parts
 from chkq.consolidation.output_check import check_plan_output
 from chkq.consolidation.plan import Plan, unit_bytes
 from chkq.consolidation.prepare import (
@@ -270,13 +270,12 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
     }
 
 
-def merge_bytes(plan: Plan) -> int:
-    """Plain size of what the merge step moves: the part files' datasets' rows."""
-    return sum(d.total * d.row_bytes for d in plan.datasets if d.mode != "raw")
-
-
 def unit_sizes(plan: Plan) -> dict[str, int]:
-    """Plain bytes of the largest task of each kind the plan makes: copy, verify, merge."""
+    """Plain bytes of the largest task of each kind the plan makes: copy, verify, merge.
+
+    The largest piece of a merge that cannot be cut is one item: a part file, or a
+    file's rows of the variable-length datasets.
+    """
     def file_bytes(index: int) -> int:
         return sum((d.offsets[index + 1] - d.offsets[index]) * d.row_bytes
                    for d in plan.datasets)
@@ -286,15 +285,16 @@ def unit_sizes(plan: Plan) -> dict[str, int]:
     verifies = [sum(file_bytes(f) for f in range(first, stop))
                 for first, stop in plan.verify_units]
     return {"copy": max(copies, default=0), "verify": max(verifies, default=0),
-            "merge": merge_bytes(plan)}
+            "merge": max((item.bytes for item in merge_items(plan)), default=0)}
 
 
 def _warn_long_tasks(plan: Plan, rates: dict[str, float | None], soft_limit: int) -> None:
     """Log a warning for each kind of task of ``plan`` expected to outlast half the soft limit.
 
-    Units are cut to the time budget, but some work cannot be cut: the
-    merge is one task, a variable-length dataset is copied by one, a file
-    is verified by one. At the slowest rate measured, a job with too much
+    Units are cut to the time budget, but some work cannot be cut: a part
+    file or a file's variable-length rows is merged by one piece of the
+    merge, a variable-length dataset is copied by one task, a file is
+    verified by one. At the slowest rate measured, a job with too much
     of such work would be stopped by its time limit; the warning names the
     settings to raise.
     """
@@ -414,7 +414,16 @@ def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
 @get_app().task(name="chkq.merge", bind=True, base=ChkqTask)
 @job_step
 def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
-    """Move part files into the output, make it durable, record it, launch verification."""
+    """Move part files into the output, piece by piece; once all are in, record it and verify.
+
+    Each delivery merges the next piece (:func:`chkq.consolidation.merge.next_piece`:
+    at most ``CHKQ_TASK_BYTES`` and what the slowest node's merge rate moves in the time
+    budget), fsyncs the output, records the piece's items, and, while items remain,
+    replaces itself (same id) by the next piece: pieces run one after another, never two
+    at once, and a cancelled job stops between them. A piece delivered again does its
+    items again, which writes the same bytes at the same places. The last piece records
+    the output's stamp, removes the part files and launches verification.
+    """
     plan = protocol.load_plan(job, out_dir, model)
     moved = 0
     if protocol.merged(job) is None:
@@ -422,14 +431,30 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         if gaps:
             raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
                                    "did not finish")
+        items = merge_items(plan)
+        done = protocol.merge_items_done(job)
+        piece = next_piece(items, done, merge_piece_bytes(self))
         started = time.monotonic()
-        moved = merge_parts(plan)
+        moved = merge_piece(plan, items, piece)
         # Timed against the rows' plain size, which the planner knows in advance.
-        self.record_rate("merge", merge_bytes(plan), time.monotonic() - started)
+        self.record_rate("merge", sum(items[n].bytes for n in piece),
+                         time.monotonic() - started)
+        protocol.record_merge_items(job, piece, moved)
+        if len(done | set(piece)) < len(items):
+            log.info("job=%s merged %d of %d part files and files of variable-length rows",
+                     job, len(done | set(piece)), len(items))
+            raise self.replace(merge.si(out_dir, model, job))
         protocol.record_merged(plan)
         remove_parts(plan)
     launch_verification(plan)
     return {"bytes": moved}
+
+
+def merge_piece_bytes(task: ChkqTask) -> int:
+    """Plain bytes of one piece of a merge: the task byte bound and the time budget."""
+    settings = get_settings()
+    return unit_bytes(settings.task_bytes, slowest_rates(task.app)["merge"],
+                      settings.budget_seconds)
 
 
 @get_app().task(name="chkq.verify", bind=True, base=ChkqTask)

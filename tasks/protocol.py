@@ -520,6 +520,22 @@ def copied(job: str) -> dict[int, Any]:
     return _hgetall(job, "copied")
 
 
+def record_merge_items(job: str, items: list[int], moved: int) -> None:
+    """Record that the merge's items ``items`` are in the output (fsynced), ``moved`` bytes."""
+    if not items:
+        return
+    client = _client()
+    key = _key(job, "merge-items")
+    client.hset(key, mapping={str(item): _seal(key, str(item), json.dumps(moved))
+                              for item in items})
+    client.expire(key, get_settings().result_expires)
+
+
+def merge_items_done(job: str) -> set[int]:
+    """The merge's items recorded as in the output (:func:`record_merge_items`)."""
+    return set(_hgetall(job, "merge-items"))
+
+
 def record_merged(plan: Plan) -> None:
     """Record that the output is merged and durable, with its stamp."""
     _set(_key(plan.job_id, "merged"), output_stamp(plan))
@@ -620,8 +636,8 @@ def failure(job: str) -> dict[str, str] | None:
 
 def forget_progress(job: str) -> None:
     """Drop a finished or failed job's plan and step records (its result stays)."""
-    _client().delete(*(_key(job, what) for what in ("run", "scanned", "plan", "copied", "merged",
-                                                        "verified")))
+    _client().delete(*(_key(job, what) for what in ("run", "scanned", "plan", "copied",
+                                                        "merge-items", "merged", "verified")))
 
 
 def forget_refused(job: str) -> list[str]:
