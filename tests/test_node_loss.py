@@ -143,8 +143,8 @@ def test_a_worker_records_its_own_rates(make_cluster: Callable[..., Cluster],
 def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(make_cluster: Callable[..., Cluster],
                                                           tmp_path: Path) -> None:
     """A node measured at 2 MiB/s and a budget of 2 s: the next job's copy units hold at
-    most 4 MiB of rows (plus one chunk), and its output is still right. Its merge, one task
-    whatever its size, measured at 1 kB/s: the worker warns that it may hit the limit."""
+    most 4 MiB of rows (plus one chunk), and its output is still right. Its merge measured
+    at 1 kB/s: the worker warns that a merge item, which is never split, may hit the limit."""
     cluster = make_cluster()
     worker, = cluster.add_workers(1, "control,copy,verify,commit",
                                   env={**DEFAULT_LIMITS, "CHKQ_TASK_SECONDS": "2"})
