@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.client import Progress, submit_consolidation
+from support.helpers import modules_loaded_by
 from support.plugins.cluster import WorkerProcess
 
 TIMEOUT = 120
@@ -45,10 +44,6 @@ def test_refusals_happen_before_anything_is_sent(worker: WorkerProcess, tmp_path
 @pytest.mark.cluster
 def test_the_client_loads_no_hdf5_array_or_plan_modules() -> None:
     """Submitting and waiting needs Redis and a message: h5py, numpy and the plan stay unloaded."""
-    program = ("import sys, chkq.workers.cli, chkq.workers.client\n"
-               "print(sorted(m for m in ('h5py', 'numpy', 'chkq.consolidation.plan',\n"
-               "                         'chkq.consolidation.stamps') if m in sys.modules))\n")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert modules_loaded_by(["chkq.workers.cli", "chkq.workers.client"],
+                             ["h5py", "numpy", "chkq.consolidation.plan",
+                              "chkq.consolidation.stamps"]) == []

@@ -6,8 +6,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -186,3 +189,13 @@ def assert_log_consistent(log: CheckpointLog) -> None:
     assert sorted(r.payload for r in records) == payloads
     for record in records:
         assert hashlib.sha256(log.load(record.id)).hexdigest() == record.id
+
+
+def modules_loaded_by(imports: list[str], watched: list[str]) -> list[str]:
+    """Which of ``watched`` a fresh interpreter has loaded once it imported ``imports``."""
+    program = (f"import json, sys\nimport {', '.join(imports)}\n"
+               f"print(json.dumps(sorted(m for m in {watched!r} if m in sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout))
