@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
 import random
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from chkq.log.delta import compress_full
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, open_store
 from chkq.stores.faults import FaultyStore
 from support.helpers import assert_log_consistent
-from support.races import blob, commit_sequence, mutate
+from support.races import blob, mutate, race_commits
 
 MiB = 1 << 20
 LOCAL = pytest.mark.parametrize("store", ["file", "memory"], indirect=True)
@@ -207,13 +206,7 @@ def test_cache_avoids_rereading_the_parent() -> None:
 def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
     url = (tmp_path / "store").as_uri()
     writers, count = 3, 8
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager:
-        barrier = manager.Barrier(writers)
-        with context.Pool(writers) as pool:
-            results = pool.starmap(
-                commit_sequence, [(url, 256 * 1024, count, barrier)] * writers
-            )
+    results = race_commits(url, writers, count, size=256 * 1024)
     assert results[0] == results[1] == results[2]
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(results[0])
@@ -307,11 +300,7 @@ def test_eight_processes_commit_the_same_thousand_checkpoints(tmp_path: Path) ->
     """Fault bar: nothing lost, no orphan payloads."""
     url = (tmp_path / "store").as_uri()
     writers, count = 8, 1000
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager:
-        barrier = manager.Barrier(writers)
-        with context.Pool(writers) as pool:
-            results = pool.starmap(commit_sequence, [(url, 4096, count, barrier)] * writers)
+    results = race_commits(url, writers, count)
     assert all(result == results[0] for result in results)
     log = CheckpointLog(open_store(url), "shared", max_chain=4)
     assert sorted(log.ids()) == sorted(set(results[0]))

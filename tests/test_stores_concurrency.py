@@ -8,7 +8,6 @@ that conditional creates of the same records and payloads really race.
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from chkq.log import CheckpointLog
 from chkq.stores import open_store
 from support.helpers import assert_log_consistent
 from support.plugins.object_stores import make_store
-from support.races import commit_sequence
+from support.races import race_commits
 
 WRITERS = 8
 COMMITS = 100
@@ -30,11 +29,7 @@ def test_eight_processes_commit_one_history_to_a_bucket(
     """Every writer sees the same ids; the log holds each checkpoint once, one
     head, every payload referenced by a record (no orphans) and every load verifies."""
     url = make_store(kind, request, tmp_path).url
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager:
-        barrier = manager.Barrier(WRITERS)
-        with context.Pool(WRITERS) as pool:
-            results = pool.starmap(commit_sequence, [(url, 4096, COMMITS, barrier)] * WRITERS)
+    results = race_commits(url, WRITERS, COMMITS)
     assert all(result == results[0] for result in results)
     assert len(set(results[0])) == COMMITS
     log = CheckpointLog(open_store(url), "shared", max_chain=4)

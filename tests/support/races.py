@@ -7,6 +7,8 @@ imports it under a name of its own).
 
 from __future__ import annotations
 
+import multiprocessing
+
 import numpy as np
 
 from chkq.log import CheckpointLog
@@ -40,6 +42,15 @@ def commit_sequence(url: str, size: int, count: int, barrier: object) -> list[st
         ids.append(parent)
         data = mutate(data, 0.01, 1000 + i)
     return ids
+
+
+def race_commits(url: str, writers: int, count: int, size: int = 4096) -> list[list[str]]:
+    """``writers`` spawned processes run :func:`commit_sequence` at once; each one's ids."""
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        barrier = manager.Barrier(writers)
+        with context.Pool(writers) as pool:
+            return pool.starmap(commit_sequence, [(url, size, count, barrier)] * writers)
 
 
 def put_if_absent_race(url: str, worker: int, keys: list[str], barrier: object) -> list[bool]:
