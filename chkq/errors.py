@@ -199,6 +199,11 @@ class TransientStoreError(ChkqError, OSError):
     """
 
 
+class StoredBytesMismatchError(ChkqError, OSError):
+    """An object's stored bytes are not the local bytes they were sent from (corrupted on
+    the way or by the store), as the store's own checksums or a read-back show."""
+
+
 class StoreNotFoundError(ChkqError, LookupError):
     """The store itself (its bucket or directory) does not exist."""
 

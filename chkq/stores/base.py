@@ -42,6 +42,7 @@ __all__ = [
     "BucketStore",
     "CheckpointStore",
     "InvalidKeyError",
+    "ObjectChecksums",
     "PartsUpload",
     "StoreNotFoundError",
     "StrayUpload",
@@ -404,7 +405,8 @@ class CheckpointStore(ABC):
     def _size(self, key: str) -> int:
         return len(self._get(key))
 
-    def upload(self, key: str) -> PartsUpload:
+    def upload(self, key: str, *, part_size: int | None = None,
+               checksum: bool = False) -> PartsUpload:
         """Start publishing one object under ``key`` from parts, create-if-absent.
 
         Nothing is visible at ``key`` until :meth:`PartsUpload.complete`
@@ -415,11 +417,59 @@ class CheckpointStore(ABC):
         GCS a compose of staged parts with ``ifGenerationMatch=0``, a local
         directory a temporary file linked into place; the default buffers
         the parts and makes one :meth:`put_if_absent`.
-        """
-        return self._upload(validate_key(key))
 
-    def _upload(self, key: str) -> PartsUpload:
+        Parameters
+        ----------
+        key
+            The object to publish.
+        part_size
+            Bytes per part, where the store sends parts (the store's own
+            size if None); :meth:`upload_part_size` tells what the store
+            makes of it.
+        checksum
+            Have the store compute checksums of the bytes it receives, so
+            that :meth:`checksums` can prove the object afterwards: S3 then
+            sends each part's SHA-256 (``ChecksumAlgorithm=SHA256``) and
+            keeps the object's composite SHA-256, GCS sends each staged
+            part's CRC32C. No effect on other stores.
+        """
+        return self._upload(validate_key(key), part_size=self.upload_part_size(part_size),
+                            checksum=checksum)
+
+    def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
         return _BufferedUpload(self, key)
+
+    def upload_part_size(self, requested: int | None = None) -> int | None:
+        """Bytes per part that an upload asked for ``requested`` bytes per part sends.
+
+        None where the store sends no parts (a local directory, the
+        default). S3 raises a request below 5 MiB to that (its smallest
+        part but the last).
+
+        Raises
+        ------
+        ValueError
+            If ``requested`` is not positive.
+        """
+        if requested is not None and requested < 1:
+            raise ValueError(f"part size must be positive, got {requested}")
+        return None
+
+    def checksums(self, key: str) -> ObjectChecksums:
+        """What the store itself computed of the bytes of the object under ``key``.
+
+        For proving an object without reading it back. Only network stores
+        compute checksums; the default gives the size alone.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        return self._checksums(validate_key(key))
+
+    def _checksums(self, key: str) -> ObjectChecksums:
+        return ObjectChecksums(size=self.size(key))
 
     def stray_uploads(self, prefix: str = "") -> builtins.list[StrayUpload]:
         """Uploads started and neither completed nor aborted, for keys under ``prefix``.
@@ -526,6 +576,31 @@ class StrayUpload:
     started: float
 
 
+@dataclass(frozen=True)
+class ObjectChecksums:
+    """Checksums a store computed itself of one object's bytes (:meth:`CheckpointStore.checksums`).
+
+    Attributes
+    ----------
+    size
+        The object's size in bytes.
+    sha256
+        S3's ``ChecksumSHA256`` (base64), without a ``-N`` suffix: for an
+        object uploaded in parts the SHA-256 of its parts' SHA-256 digests
+        one after the other (a composite checksum), else of the whole
+        object; None if the store keeps none.
+    sha256_parts
+        How many parts the composite ``sha256`` is of, where the store says.
+    crc32c
+        GCS's CRC32C of the whole object (composed objects have one), or None.
+    """
+
+    size: int
+    sha256: str | None = None
+    sha256_parts: int | None = None
+    crc32c: int | None = None
+
+
 class PartsUpload(ABC):
     """One object being published from parts, in order; create-if-absent on completion.
 
@@ -542,10 +617,16 @@ class PartsUpload(ABC):
         self.key = key
         self.size = 0
         """Bytes added so far."""
+        self.part_size: int | None = None
+        """Bytes per part sent (the last may be shorter); None where the store sends no parts."""
         self._finished = False
 
     @abstractmethod
     def _write(self, data: bytes) -> None: ...
+
+    def _write_hashed(self, data: bytes, sha256: bytes) -> None:
+        """Append ``data`` whose SHA-256 digest the caller computed (default: as ``_write``)."""
+        self._write(data)
 
     @abstractmethod
     def _complete(self) -> bool:
@@ -563,12 +644,27 @@ class PartsUpload(ABC):
             self._write(piece)
             start += len(piece)
 
-    def write(self, data: bytes) -> None:
-        """Append ``data`` to the object."""
+    def write(self, data: bytes, *, sha256: bytes | None = None) -> None:
+        """Append ``data`` to the object.
+
+        Parameters
+        ----------
+        data
+            The bytes.
+        sha256
+            Their SHA-256 digest, where the caller has computed it: an
+            upload with ``checksum`` whose part is exactly ``data`` (a write
+            of :attr:`part_size` bytes at a part boundary, or the last)
+            sends it as the part's checksum instead of hashing the part
+            again, and the store checks the bytes it received against it.
+        """
         self._check_open()
         data = bytes(data)
         if data:
-            self._write(data)
+            if sha256 is None:
+                self._write(data)
+            else:
+                self._write_hashed(data, sha256)
             self.size += len(data)
 
     def copy(self, source: str, start: int, length: int) -> None:

@@ -20,15 +20,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from chkq.stores.base import CheckpointStore, TransientStoreError
+from chkq.stores.base import (
+    CheckpointStore,
+    ObjectChecksums,
+    PartsUpload,
+    StrayUpload,
+    TransientStoreError,
+)
 
 __all__ = ["OPERATIONS", "FaultyStore", "Rule"]
 
 T = TypeVar("T")
 
 OPERATIONS = frozenset({"put", "put_if_absent", "get", "get_at_most", "exists", "list",
-                        "delete", "modified", "available"})
-"""Names of the operations a rule can match (``list`` matches on its prefix)."""
+                        "delete", "modified", "available", "checksums",
+                        "upload", "upload_write", "upload_complete", "upload_abort",
+                        "stray_uploads", "abort_upload"})
+"""Names of the operations a rule can match (``list`` and ``stray_uploads`` match on
+their prefix). An upload from parts goes to the inner store's own :meth:`upload`:
+``upload`` starts it, each write or copy is an ``upload_write``, then
+``upload_complete`` or ``upload_abort``, all matched on the upload's key."""
 
 Action = Literal["fail", "lose", "delay", "call"]
 KeyMatch = str | Callable[[str], bool]
@@ -216,3 +227,54 @@ class FaultyStore(CheckpointStore):
             return True
 
         return self._run("available", "", check)
+
+    def _checksums(self, key: str) -> ObjectChecksums:
+        return self._run("checksums", key, lambda: self.inner.checksums(key))
+
+    def upload_part_size(self, requested: int | None = None) -> int | None:
+        return self.inner.upload_part_size(requested)
+
+    def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
+        inner = self._run("upload", key,
+                          lambda: self.inner.upload(key, part_size=part_size, checksum=checksum))
+        return _FaultyUpload(self, key, inner)
+
+    def _stray_uploads(self, prefix: str) -> builtins.list[StrayUpload]:
+        return self._run("stray_uploads", prefix, lambda: self.inner.stray_uploads(prefix))
+
+    def _abort_upload(self, stray: StrayUpload) -> None:
+        self._run("abort_upload", stray.key, lambda: self.inner.abort_upload(stray))
+
+
+class _FaultyUpload(PartsUpload):
+    """The inner store's upload, each of its steps passed through the wrapper's rules."""
+
+    store: FaultyStore
+
+    def __init__(self, store: FaultyStore, key: str, inner: PartsUpload) -> None:
+        super().__init__(store, key)
+        self.inner = inner
+        self.part_size = inner.part_size
+
+    def _write(self, data: bytes) -> None:
+        self.store._run("upload_write", self.key, lambda: self.inner.write(data))
+
+    def _write_hashed(self, data: bytes, sha256: bytes) -> None:
+        self.store._run("upload_write", self.key, lambda: self.inner.write(data, sha256=sha256))
+
+    def _copy(self, source: str, start: int, length: int) -> None:
+        self.store._run("upload_write", self.key,
+                        lambda: self.inner.copy(source, start, length))
+
+    def _complete(self) -> bool:
+        def complete() -> bool:
+            try:
+                self.inner.complete()
+            except FileExistsError:
+                return False
+            return True
+
+        return self.store._run("upload_complete", self.key, complete)
+
+    def _abort(self) -> None:
+        self.store._run("upload_abort", self.key, self.inner.abort)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import os
@@ -18,6 +19,7 @@ from chkq.stores.base import (
     WRITE_ID_METADATA,
     BucketStore,
     InvalidKeyError,
+    ObjectChecksums,
     PartsUpload,
     StoreTimeouts,
     StrayUpload,
@@ -272,9 +274,24 @@ class GCSStore(BucketStore):
 
     # publishing from parts -----------------------------------------------------------
 
-    def _upload(self, key: str) -> PartsUpload:
+    def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
         self._writable(key)
-        return _ComposeUpload(self, key)
+        return _ComposeUpload(self, key, part_size=part_size or self.part_size,
+                              checksum=checksum)
+
+    def upload_part_size(self, requested: int | None = None) -> int | None:
+        super().upload_part_size(requested)
+        return max(requested or self.part_size, 1)
+
+    def _checksums(self, key: str) -> ObjectChecksums:
+        """Size and the CRC32C GCS keeps of every object, composed ones too."""
+        blob = self._stat(key)
+        if blob is None:
+            raise KeyError(key)
+        crc32c = None
+        if blob.crc32c:
+            crc32c = int.from_bytes(base64.b64decode(blob.crc32c), "big")
+        return ObjectChecksums(size=int(blob.size), crc32c=crc32c)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
         staging = self._prefix + UPLOADS_DIR + "/"
@@ -323,14 +340,16 @@ class _ComposeUpload(PartsUpload):
 
     store: GCSStore
 
-    def __init__(self, store: GCSStore, key: str) -> None:
+    def __init__(self, store: GCSStore, key: str, *, part_size: int,
+                 checksum: bool = False) -> None:
         super().__init__(store, key)
         self.upload_id = uuid.uuid4().hex
         self._write_id = uuid.uuid4().hex
         self._staged: list[Any] = []
         self._sources: list[Any] = []
         self._buffer = bytearray()
-        self._part_size = max(store.part_size, 1)
+        self.part_size = max(part_size, 1)
+        self._checksum: str | None = "crc32c" if checksum else None
 
     def _stage(self, data: bytes) -> Any:
         store = self.store
@@ -340,17 +359,23 @@ class _ComposeUpload(PartsUpload):
         self._staged.append(blob)
         store._retry(
             lambda: blob.upload_from_string(data, content_type="application/octet-stream",
-                                            timeout=store._timeout, retry=None),
+                                            checksum=self._checksum, timeout=store._timeout,
+                                            retry=None),
             f"stage part {len(self._staged)} of {self.key}")
         return blob
 
     def _flush(self, final: bool = False) -> None:
-        while len(self._buffer) >= self._part_size or (final and self._buffer):
-            piece = bytes(self._buffer[: self._part_size])
-            del self._buffer[: self._part_size]
+        size = self.part_size
+        assert size is not None
+        while len(self._buffer) >= size or (final and self._buffer):
+            piece = bytes(self._buffer[:size])
+            del self._buffer[:size]
             self._sources.append(self._stage(piece))
 
     def _write(self, data: bytes) -> None:
+        if not self._buffer and len(data) == self.part_size:
+            self._sources.append(self._stage(data))
+            return
         self._buffer += data
         self._flush()
 

@@ -411,7 +411,7 @@ class LocalDirectoryStore(CheckpointStore):
 
     # publishing from parts -----------------------------------------------------------
 
-    def _upload(self, key: str) -> PartsUpload:
+    def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
         return _LocalUpload(self, key)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import hashlib
 import os
 import uuid
 from typing import Any
@@ -18,10 +20,11 @@ from botocore.exceptions import (
     ConnectionError as BotoConnectionError,
 )
 
-from chkq.errors import BadNameError
+from chkq.errors import BadNameError, StoredBytesMismatchError
 from chkq.stores.base import (
     WRITE_ID_METADATA,
     BucketStore,
+    ObjectChecksums,
     PartsUpload,
     StoreTimeouts,
     StrayUpload,
@@ -357,8 +360,41 @@ class S3Store(BucketStore):
 
     # publishing from parts -----------------------------------------------------------
 
-    def _upload(self, key: str) -> PartsUpload:
-        return _MultipartUpload(self, key)
+    def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
+        return _MultipartUpload(self, key, part_size=part_size or self.part_size,
+                                checksum=checksum)
+
+    def upload_part_size(self, requested: int | None = None) -> int | None:
+        super().upload_part_size(requested)
+        return max(requested or self.part_size, MIN_PART)
+
+    def _checksums(self, key: str) -> ObjectChecksums:
+        """Size and ``ChecksumSHA256`` from a ``HeadObject`` with ``ChecksumMode=ENABLED``.
+
+        S3 gives a composite checksum as ``BASE64-N``; moto gives it without
+        the suffix on ``HeadObject`` (and ``-N`` on ``GetObject``).
+        """
+        name = self._prefix + key
+
+        def attempt() -> dict[str, Any] | None:
+            try:
+                return dict(self._client.head_object(Bucket=self._bucket, Key=name,
+                                                     ChecksumMode="ENABLED"))
+            except ClientError as exc:
+                if _is_not_found(exc):
+                    return None
+                raise
+
+        head = self._retry(attempt, f"checksums of {key}")
+        if head is None:
+            raise KeyError(key)
+        value, parts = head.get("ChecksumSHA256"), None
+        if isinstance(value, str) and "-" in value:
+            value, _, count = value.partition("-")
+            parts = int(count) if count.isdigit() else None
+        return ObjectChecksums(size=int(head["ContentLength"]),
+                               sha256=value if isinstance(value, str) and value else None,
+                               sha256_parts=parts)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
         def attempt() -> list[StrayUpload]:
@@ -385,63 +421,107 @@ class S3Store(BucketStore):
         self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
 
 
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode("ascii")
+
+
 class _MultipartUpload(PartsUpload):
     """A multipart upload completed with ``If-None-Match: *``.
 
-    Written bytes are buffered into parts of the store's ``part_size``; a
-    copied range of at least :data:`MIN_PART` bytes goes server-side
-    (``UploadPartCopy``) once the buffer is flushed, so that every part but
-    the last is at least 5 MiB. The completion carries a write id, so that
-    a completion whose answer was lost and that is resent is recognised as
-    this upload's own (the resend fails with 412 or NoSuchUpload).
+    Written bytes are buffered into parts of ``part_size``; a copied range
+    of at least :data:`MIN_PART` bytes goes server-side (``UploadPartCopy``)
+    once the buffer is flushed, so that every part but the last is at least
+    5 MiB. A write of a whole part at a part boundary is sent as it is, not
+    buffered. The completion carries a write id, so that a completion whose
+    answer was lost and that is resent is recognised as this upload's own
+    (the resend fails with 412 or NoSuchUpload).
+
+    With ``checksum`` the upload is created with ``ChecksumAlgorithm=SHA256``:
+    each part goes with its SHA-256 (the caller's, or computed here), which
+    S3 checks against the bytes it received (``BadDigest`` if they differ);
+    the digest S3 answers must be the one sent, the completion lists every
+    part's, and the object keeps the composite SHA-256 of its parts.
     """
 
     store: S3Store
 
-    def __init__(self, store: S3Store, key: str) -> None:
+    def __init__(self, store: S3Store, key: str, *, part_size: int,
+                 checksum: bool = False) -> None:
         super().__init__(store, key)
         self._name = store._prefix + key
         self._write_id = uuid.uuid4().hex
         self._parts: list[dict[str, Any]] = []
         self._buffer = bytearray()
-        self._part_size = max(store.part_size, MIN_PART)
+        self._buffer_sha256: bytes | None = None
+        self.part_size = max(part_size, MIN_PART)
+        self._checksum = checksum
         client = store.client
+        extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
         answer = store._retry(
             lambda: client.create_multipart_upload(
                 Bucket=store.bucket, Key=self._name,
-                Metadata={WRITE_ID_METADATA: self._write_id}),
+                Metadata={WRITE_ID_METADATA: self._write_id}, **extra),
             f"start upload of {key}")
         self.upload_id: str = answer["UploadId"]
 
     def _flush(self, final: bool = False) -> None:
-        while len(self._buffer) >= self._part_size or (final and self._buffer):
-            piece = bytes(self._buffer[: self._part_size])
-            del self._buffer[: self._part_size]
-            self._send(piece)
+        size = self.part_size
+        assert size is not None
+        while len(self._buffer) >= size or (final and self._buffer):
+            sha256 = self._buffer_sha256 if len(self._buffer) <= size else None
+            piece = bytes(self._buffer[:size])
+            del self._buffer[:size]
+            self._buffer_sha256 = None
+            self._send(piece, sha256)
 
-    def _send(self, piece: bytes) -> None:
+    def _send(self, piece: bytes, sha256: bytes | None = None) -> None:
         store, number = self.store, len(self._parts) + 1
+        extra: dict[str, str] = {}
+        if self._checksum:
+            sent = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
+            extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": sent}
         answer = store._retry(
             lambda: store.client.upload_part(
                 Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                PartNumber=number, Body=piece),
+                PartNumber=number, Body=piece, **extra),
             f"upload part {number} of {self.key}")
-        self._parts.append({"ETag": answer["ETag"], "PartNumber": number})
+        part = {"ETag": answer["ETag"], "PartNumber": number}
+        if extra:
+            received = answer.get("ChecksumSHA256")
+            if received is not None and received != extra["ChecksumSHA256"]:
+                raise StoredBytesMismatchError(
+                    f"store {store.url}: part {number} of {self.key}: the store received "
+                    f"bytes with SHA-256 {received}, not the {extra['ChecksumSHA256']} sent")
+            part["ChecksumSHA256"] = extra["ChecksumSHA256"]
+        self._parts.append(part)
 
     def _write(self, data: bytes) -> None:
         self._buffer += data
+        self._buffer_sha256 = None
         self._flush()
+
+    def _write_hashed(self, data: bytes, sha256: bytes) -> None:
+        if self._buffer:
+            self._write(data)
+        elif len(data) == self.part_size:
+            self._send(data, sha256)
+        else:
+            self._buffer += data
+            self._buffer_sha256 = sha256
+            self._flush()
 
     def _copy(self, source: str, start: int, length: int) -> None:
         end = start + length
+        size = self.part_size
+        assert size is not None
         if self._buffer:
-            fill = min(self._part_size - len(self._buffer), length)
+            fill = min(size - len(self._buffer), length)
             self._write(self.store.get_range(source, start, fill))
             start += fill
         while end - start >= MIN_PART and not self._buffer:
-            size = min(MAX_COPY_PART, end - start)
-            self._copy_part(source, start, size)
-            start += size
+            chunk = min(MAX_COPY_PART, end - start)
+            self._copy_part(source, start, chunk)
+            start += chunk
         if start < end:
             super()._copy(source, start, end - start)
 
@@ -454,7 +534,11 @@ class _MultipartUpload(PartsUpload):
                 CopySource={"Bucket": store.bucket, "Key": store._prefix + source},
                 CopySourceRange=f"bytes={start}-{start + size - 1}"),
             f"copy part {number} of {self.key} from {source}")
-        self._parts.append({"ETag": answer["CopyPartResult"]["ETag"], "PartNumber": number})
+        result = answer["CopyPartResult"]
+        part = {"ETag": result["ETag"], "PartNumber": number}
+        if self._checksum and result.get("ChecksumSHA256"):
+            part["ChecksumSHA256"] = result["ChecksumSHA256"]
+        self._parts.append(part)
 
     def _complete(self) -> bool:
         self._flush(final=True)

@@ -1,0 +1,416 @@
+"""Publishing a verified local file to a store key: create-if-absent, all or nothing, proven.
+
+A worker builds and verifies an output file in its own scratch directory;
+:func:`publish_file` then puts it under a key of an object store so that
+
+* an existing object is never replaced (:class:`FileExistsError` naming the
+  store and the key), unless it already holds the same bytes, which is what
+  a redelivered publish finds and reports as published;
+* nothing is ever visible at the key but the whole file: the bytes go in
+  parts through :meth:`~chkq.stores.base.CheckpointStore.upload`, which
+  publishes them all at once on completion or not at all;
+* a publish that fails leaves nothing behind (its upload is aborted), and
+  what a killed publisher leaves is listed by
+  :meth:`~chkq.stores.base.CheckpointStore.stray_uploads` and removed by
+  :func:`sweep_uploads`;
+* the stored bytes are shown equal to the local ones, the cheapest way the
+  store allows, and :attr:`Published.proof` says how.
+
+The file is read once, one part at a time, hashing as it goes: the
+SHA-256 of the whole file, of each part and, where google-crc32c is
+installed, its CRC32C. A file that changed after the caller verified it
+(``sha256``) or while it was read is not published.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from chkq.errors import FileChangedError, StoredBytesMismatchError
+from chkq.stores.base import CheckpointStore, ObjectChecksums, StrayUpload, validate_key
+
+try:
+    import google_crc32c
+except ImportError:  # pragma: no cover - installed with google-cloud-storage
+    google_crc32c = None  # type: ignore[assignment]
+
+__all__ = ["FileDigests", "Published", "publish_file", "published_as", "sweep_uploads"]
+
+log = logging.getLogger(__name__)
+
+MAX_PARTS = 10_000
+"""Most parts of one upload (S3's limit): larger files get larger parts."""
+READ_BACK_CHUNK = 8 << 20
+"""Bytes read at a time when an object is read back to be hashed."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """An object published from a local file, and how its bytes were shown equal.
+
+    Attributes
+    ----------
+    url
+        The object's URL, the store's URL and the key (``s3://bucket/prefix/key``).
+    key
+        Its key in the store.
+    size
+        Its size in bytes.
+    sha256
+        Hex SHA-256 of its bytes (the local file's, which the store's were shown equal to).
+    proof
+        How the stored bytes were shown equal to the local ones, one line.
+    """
+
+    url: str
+    key: str
+    size: int
+    sha256: str
+    proof: str
+
+
+@dataclass(frozen=True)
+class FileDigests:
+    """What reading a file once, in parts of ``part_size`` bytes, computed of its bytes.
+
+    Attributes
+    ----------
+    size
+        Bytes read.
+    sha256
+        Hex SHA-256 of all of them.
+    part_size
+        Bytes per part (the last may be shorter).
+    part_sha256
+        SHA-256 digest of each part, in order (one, of no bytes, for an empty file).
+    crc32c
+        CRC32C of all the bytes, or None without google-crc32c.
+    """
+
+    size: int
+    sha256: str
+    part_size: int
+    part_sha256: tuple[bytes, ...]
+    crc32c: int | None
+
+    @property
+    def composite_sha256(self) -> str:
+        """Base64 SHA-256 of the parts' digests one after the other, as S3 composes them."""
+        return base64.b64encode(hashlib.sha256(b"".join(self.part_sha256)).digest()).decode()
+
+
+class _Hasher:
+    """The running digests of a file read in parts."""
+
+    def __init__(self, part_size: int) -> None:
+        self.part_size = part_size
+        self.size = 0
+        self._whole = hashlib.sha256()
+        self._parts: list[bytes] = []
+        self._crc32c: int | None = 0 if google_crc32c is not None else None
+
+    def add(self, piece: bytes) -> bytes:
+        """Take in the next part; return its SHA-256 digest."""
+        self.size += len(piece)
+        self._whole.update(piece)
+        if self._crc32c is not None:
+            self._crc32c = int(google_crc32c.extend(self._crc32c, piece))
+        digest = hashlib.sha256(piece).digest()
+        self._parts.append(digest)
+        return digest
+
+    def digests(self) -> FileDigests:
+        parts = tuple(self._parts) or (hashlib.sha256(b"").digest(),)
+        return FileDigests(self.size, self._whole.hexdigest(), self.part_size, parts,
+                           self._crc32c)
+
+
+def _pieces(source: BinaryIO, part_size: int) -> Iterator[bytes]:
+    while piece := source.read(part_size):
+        yield piece
+
+
+def _object_url(store: CheckpointStore, key: str) -> str:
+    return f"{store.url.rstrip('/')}/{key}"
+
+
+def _exists_error(store: CheckpointStore, key: str) -> FileExistsError:
+    return FileExistsError(
+        errno.EEXIST, f"store {store.url}: {key} exists with other bytes; it is never replaced",
+        key)
+
+
+def _hex_sha256(value: str) -> str:
+    text = value.strip().lower()
+    if len(text) != 64 or any(c not in "0123456789abcdef" for c in text):
+        raise ValueError(f"sha256 must be 64 hex digits, got {value!r}")
+    return text
+
+
+def publish_file(store: CheckpointStore, key: str, path: str | os.PathLike[str], *,
+                 part_bytes: int = 64 << 20, sha256: str | None = None) -> Published:
+    """Publish the local file ``path`` as the object ``key`` of ``store``, create-if-absent.
+
+    The file is read once, a part at a time (memory: about one part),
+    uploaded through ``store.upload(key, checksum=True)`` and published on
+    completion only if no object has the key; the stored bytes are then
+    shown equal to the bytes read (:attr:`Published.proof`): on S3 by the
+    composite of the parts' SHA-256 checksums the store computed, on GCS by
+    the object's CRC32C the store computed, elsewhere (a local directory,
+    memory) by reading the object back and hashing it.
+
+    Parameters
+    ----------
+    store
+        Where to publish.
+    key
+        The object's key.
+    path
+        The local file, complete and verified.
+    part_bytes
+        Bytes per part (S3 raises it to 5 MiB, and any store to a
+        10,000th of the file).
+    sha256
+        Hex SHA-256 the caller verified the file with: bytes read that do
+        not hash to it are not published.
+
+    Returns
+    -------
+    Published
+        The object: also when it already held the same bytes (a
+        redelivered publish, or a completion whose answer was lost).
+
+    Raises
+    ------
+    FileExistsError
+        If an object with other bytes has the key (left untouched), naming
+        the store's URL and the key.
+    FileChangedError
+        If the file's bytes are not the ``sha256`` given, or it changed
+        while it was read, naming the file; nothing is published.
+    StoredBytesMismatchError
+        If the stored bytes are shown to differ from the file's (the
+        object this publish created is deleted again).
+    TransientStoreError
+        If the store kept failing; nothing is published, or what is
+        published is the whole file and a publish run again returns it.
+    """
+    validate_key(key)
+    if part_bytes < 1:
+        raise ValueError(f"part_bytes must be positive, got {part_bytes}")
+    expected = None if sha256 is None else _hex_sha256(sha256)
+    source = Path(path)
+    with open(source, "rb") as handle:
+        before = os.fstat(handle.fileno())
+        if not stat.S_ISREG(before.st_mode):
+            raise ValueError(f"{source} is not a regular file; only files are published")
+        wanted = max(part_bytes, -(-before.st_size // MAX_PARTS))
+        part_size = store.upload_part_size(wanted) or wanted
+        if store.exists(key):
+            return _published_already(store, key, source, handle, before, part_size, expected)
+        return _upload(store, key, source, handle, before, part_size, expected)
+
+
+def _check_unchanged(source: Path, handle: BinaryIO, before: os.stat_result,
+                     digests: FileDigests, expected: str | None) -> None:
+    after = os.fstat(handle.fileno())
+    if (digests.size != before.st_size or after.st_size != before.st_size
+            or after.st_mtime_ns != before.st_mtime_ns):
+        raise FileChangedError(
+            f"{source} changed while it was published ({before.st_size} bytes before, "
+            f"{digests.size} read, {after.st_size} after); nothing is published")
+    if expected is not None and digests.sha256 != expected:
+        raise FileChangedError(
+            f"{source} is not the file that was verified: its SHA-256 is {digests.sha256}, "
+            f"not {expected}; it changed after verification; nothing is published")
+
+
+def _published_already(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
+                       before: os.stat_result, part_size: int,
+                       expected: str | None) -> Published:
+    """The key exists before any upload: ours (the same bytes) or another's."""
+    try:
+        if store.size(key) != before.st_size:
+            raise _exists_error(store, key)
+    except KeyError:  # deleted meanwhile: publish after all
+        return _upload(store, key, source, handle, before, part_size, expected)
+    hasher = _Hasher(part_size)
+    for piece in _pieces(handle, part_size):
+        hasher.add(piece)
+    digests = hasher.digests()
+    _check_unchanged(source, handle, before, digests, expected)
+    proof = _proof(store, key, digests, own=False)
+    if proof is None:
+        raise _exists_error(store, key)
+    log.info("store %s: %s already holds the bytes of %s", store.url, key, source)
+    return _published(store, key, digests, f"already published: {proof}")
+
+
+def _upload(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
+            before: os.stat_result, part_size: int, expected: str | None) -> Published:
+    hasher = _Hasher(part_size)
+    with store.upload(key, part_size=part_size, checksum=True) as upload:
+        for piece in _pieces(handle, part_size):
+            upload.write(piece, sha256=hasher.add(piece))
+        digests = hasher.digests()
+        _check_unchanged(source, handle, before, digests, expected)
+        try:
+            upload.complete()
+        except FileExistsError:
+            proof = _proof(store, key, digests, own=False)
+            if proof is None:
+                raise _exists_error(store, key) from None
+            return _published(store, key, digests, f"published meanwhile: {proof}")
+        except Exception:
+            proof = _recovered(store, key, digests)
+            if proof is None:
+                raise
+            return _published(store, key, digests, f"completion answer lost: {proof}")
+    proof = _proof(store, key, digests, own=True)
+    if proof is None:
+        store.delete(key)
+        raise StoredBytesMismatchError(
+            f"store {store.url}: {key} as stored is not {source} (SHA-256 {digests.sha256}); "
+            "the object was deleted again")
+    log.info("store %s: published %s as %s (%d bytes; %s)", store.url, source, key,
+             digests.size, proof)
+    return _published(store, key, digests, proof)
+
+
+def _recovered(store: CheckpointStore, key: str, digests: FileDigests) -> str | None:
+    """After a completion that failed: the proof that the key holds our bytes anyway, if it does.
+
+    A completion whose answer was lost may have published the object; any
+    error looking is no proof (the completion's own error is then raised).
+    """
+    try:
+        if not store.exists(key):
+            return None
+        return _proof(store, key, digests, own=False)
+    except Exception as exc:
+        log.info("store %s: cannot tell whether %s was published: %s", store.url, key, exc)
+        return None
+
+
+def _published(store: CheckpointStore, key: str, digests: FileDigests, proof: str) -> Published:
+    return Published(_object_url(store, key), key, digests.size, digests.sha256, proof)
+
+
+def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool) -> str | None:
+    """How the object ``key`` was shown to hold the bytes of ``digests``, or None if it does not.
+
+    Parameters
+    ----------
+    own
+        The object is the one this publish just created from these parts:
+        the store's composite SHA-256 of the parts (S3) and its CRC32C (GCS)
+        then tell. An object of unknown origin is shown equal only by a
+        collision-resistant digest: the composite SHA-256, where it was
+        made from parts of the same size, else a read-back.
+
+    Raises
+    ------
+    KeyError
+        If there is no such object.
+    """
+    checks: ObjectChecksums = store.checksums(key)
+    if checks.size != digests.size:
+        return None
+    parts = len(digests.part_sha256)
+    if checks.sha256 is not None:
+        composite = digests.composite_sha256
+        if checks.sha256 == composite and checks.sha256_parts in (None, parts):
+            return (f"S3 ChecksumSHA256 of each of the {parts} parts, computed by the store, "
+                    f"compose to {composite}-{parts}, as ours")
+        if own:
+            return None
+    if own and checks.crc32c is not None and digests.crc32c is not None:
+        if checks.crc32c != digests.crc32c:
+            return None
+        return (f"GCS CRC32C of the composed object, computed by the store, is "
+                f"{checks.crc32c:08x}, as ours")
+    return _read_back(store, key, digests)
+
+
+def _read_back(store: CheckpointStore, key: str, digests: FileDigests) -> str | None:
+    whole, offset = hashlib.sha256(), 0
+    while True:
+        piece = store.get_range(key, offset, READ_BACK_CHUNK)
+        if not piece:
+            break
+        whole.update(piece)
+        offset += len(piece)
+        if offset > digests.size:
+            return None
+    if offset != digests.size or whole.hexdigest() != digests.sha256:
+        return None
+    what = "re-read the linked file" if store.url.startswith("file:") else "read back"
+    return f"{what}: {offset} bytes, SHA-256 {digests.sha256}, as ours"
+
+
+def published_as(store: CheckpointStore, key: str, size: int, sha256: str, *,
+                 digests: FileDigests | None = None) -> bool:
+    """Whether the object ``key`` holds ``size`` bytes with hex SHA-256 ``sha256``.
+
+    The sizes are compared first. Then, with the ``digests`` of the local
+    file, an S3 object made of parts of the same size is proved by the
+    composite of its parts' SHA-256 checksums, which the store computed;
+    anything else is read back (a part at a time) and hashed. A CRC32C is
+    no proof here: it cannot tell an object made to match it.
+
+    Raises
+    ------
+    ValueError
+        If ``digests`` are not of ``size`` bytes with that SHA-256.
+    """
+    validate_key(key)
+    wanted = _hex_sha256(sha256)
+    if digests is None:
+        digests = FileDigests(size, wanted, READ_BACK_CHUNK, (), None)
+    elif digests.size != size or digests.sha256 != wanted:
+        raise ValueError(f"digests of {digests.size} bytes with SHA-256 {digests.sha256} "
+                         f"are not of {size} bytes with SHA-256 {wanted}")
+    try:
+        if store.size(key) != size:
+            return False
+        if not digests.part_sha256:
+            return _read_back(store, key, digests) is not None
+        return _proof(store, key, digests, own=False) is not None
+    except KeyError:
+        return False
+
+
+def sweep_uploads(store: CheckpointStore, prefix: str = "",
+                  older_than: float = 3600.0) -> list[StrayUpload]:
+    """Abort the stray uploads under ``prefix`` started at least ``older_than`` seconds ago.
+
+    What killed publishers left (their parts); younger uploads may belong
+    to a publish still running and are left alone. A local directory
+    records no key for its uploads and sweeps them whatever the prefix.
+
+    Returns
+    -------
+    list of StrayUpload
+        Those aborted.
+    """
+    if older_than < 0:
+        raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
+    now = time.time()
+    aborted = []
+    for stray in store.stray_uploads(prefix):
+        if now - stray.started >= older_than:
+            store.abort_upload(stray)
+            aborted.append(stray)
+            log.info("store %s: aborted the upload %s of %r started %.0f s ago", store.url,
+                     stray.upload_id, stray.key, now - stray.started)
+    return aborted
