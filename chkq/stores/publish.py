@@ -210,10 +210,12 @@ def publish_file(store: CheckpointStore, key: str, path: str | os.PathLike[str],
         raise ValueError(f"part_bytes must be positive, got {part_bytes}")
     expected = None if sha256 is None else _hex_sha256(sha256)
     source = Path(path)
-    with open(source, "rb") as handle:
-        before = os.fstat(handle.fileno())
-        if not stat.S_ISREG(before.st_mode):
-            raise ValueError(f"{source} is not a regular file; only files are published")
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
+    before = os.fstat(fd)
+    if not stat.S_ISREG(before.st_mode):
+        os.close(fd)
+        raise ValueError(f"{source} is not a regular file; only files are published")
+    with os.fdopen(fd, "rb") as handle:
         wanted = max(part_bytes, -(-before.st_size // MAX_PARTS))
         part_size = store.upload_part_size(wanted) or wanted
         if store.exists(key):

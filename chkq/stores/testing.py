@@ -23,6 +23,8 @@ from tests (pytest is in chkq's ``test`` extra).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import random
 import threading
 import time
@@ -243,6 +245,33 @@ class StoreTests:
             with pytest.raises(KeyError):
                 upload.copy("missing", 0, 1)
         assert not store.exists("out")
+
+    def test_checksums_are_of_the_bytes_stored(self, store: CheckpointStore) -> None:
+        data = random.Random(3).randbytes(2500)
+        part_size = store.upload_part_size(1000)
+        with store.upload("out/obj", part_size=1000, checksum=True) as upload:
+            assert upload.part_size == part_size
+            for offset in range(0, len(data), 1000):
+                piece = data[offset : offset + 1000]
+                upload.write(piece, sha256=hashlib.sha256(piece).digest())
+            upload.complete()
+        assert store.get("out/obj") == data
+        checks = store.checksums("out/obj")
+        assert checks.size == len(data)
+        if checks.sha256 is not None:
+            step = part_size or len(data)
+            parts = [hashlib.sha256(data[i : i + step]).digest()
+                     for i in range(0, len(data), step)]
+            composite = hashlib.sha256(b"".join(parts)).digest()
+            assert checks.sha256 == base64.b64encode(composite).decode()
+            assert checks.sha256_parts in (None, len(parts))
+        if checks.crc32c is not None:
+            google_crc32c = pytest.importorskip("google_crc32c")
+            assert checks.crc32c == google_crc32c.value(data)
+        with pytest.raises(KeyError):
+            store.checksums("missing/obj")
+        with pytest.raises(ValueError, match="part size"):
+            store.upload_part_size(0)
 
     # missing objects -------------------------------------------------------------------
 
