@@ -335,6 +335,18 @@ def test_a_part_corrupted_on_its_way_is_caught_and_nothing_is_left(
     nothing_left(store)
 
 
+def test_a_corrupted_object_that_cannot_be_deleted_is_named(tmp_path: Path,
+                                                             source: tuple[Path, bytes]) -> None:
+    path, _ = source
+    store = LocalDirectoryStore(tmp_path / "store")
+    faulty = FaultyStore(store)
+    faulty.before("upload_complete", _overwrite_a_part(store))
+    faulty.fail("delete", KEY)
+    with pytest.raises(StoredBytesMismatchError, match="deleting the object failed too"):
+        publish_file(faulty, KEY, path, part_bytes=PART)
+    assert store.list() == [KEY], "left for the caller, who was told"
+
+
 @pytest.mark.integration
 @pytest.mark.xfail(strict=True, reason="moto 5.2.5 does not check ChecksumSHA256 against a "
                    "part's bytes (it echoes the header); S3 answers BadDigest")

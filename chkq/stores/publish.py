@@ -278,12 +278,21 @@ def _upload(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
             if proof is None:
                 raise
             return _published(store, key, digests, f"completion answer lost: {proof}")
-    proof = _proof(store, key, digests, own=True)
+    try:
+        proof = _proof(store, key, digests, own=True)
+    except KeyError:
+        raise StoredBytesMismatchError(
+            f"store {store.url}: {key} vanished right after it was published from "
+            f"{source}") from None
     if proof is None:
-        store.delete(key)
+        try:
+            store.delete(key)
+            fate = "the object was deleted again"
+        except Exception as exc:
+            fate = f"deleting the object failed too: {exc}"
         raise StoredBytesMismatchError(
             f"store {store.url}: {key} as stored is not {source} (SHA-256 {digests.sha256}); "
-            "the object was deleted again")
+            f"{fate}")
     log.info("store %s: published %s as %s (%d bytes; %s)", store.url, source, key,
              digests.size, proof)
     return _published(store, key, digests, proof)
