@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 from pathlib import Path
 
 from chkq.errors import OutputExistsError, OutputNotWritableError, OutputWriteError
@@ -157,3 +158,35 @@ def write_failure(directory: Path, exc: OSError, file: Path | None = None) -> Ou
     return OutputWriteError(
         exc.errno or errno.EIO,
         f"cannot write {str(named)!r}: {reason} ({describe_filesystem(directory)}){said}")
+
+
+def private_directory(path: Path) -> Path:
+    """``path`` as a directory only this user can enter, created (mode 0700) if missing.
+
+    A working directory in a shared place (``/tmp``) may have been made
+    beforehand by someone else, or be a link to their directory: what is
+    there is used only if it is a real directory, this user's, and closed
+    to others.
+
+    Raises
+    ------
+    PermissionError
+        If ``path`` is a link, not a directory, another user's, or open to
+        group or others; the message names it.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory (a link?)"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    if problem is not None:
+        raise PermissionError(errno.EACCES, f"scratch directory {str(path)!r} {problem}: "
+                              "refused (set CHKQ_SCRATCH_DIR to a private directory)",
+                              str(path))
+    return path
