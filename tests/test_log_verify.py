@@ -149,8 +149,8 @@ def test_verify_command(store: CheckpointStore) -> None:
     ok = chkq("log", "verify", url, "run", "--read-data")
     assert ok.returncode == 0, ok.stderr
     assert ok.stderr == ""
-    assert re.fullmatch(r"ok: 3 checkpoints, 3 rebuilt \(\d+ bytes\), \d+ names?, 1 head copy, 0 outputs, "
-                        r"0 problems, 0 orphans", ok.stdout.splitlines()[-1]), ok.stdout
+    assert re.fullmatch(r"ok: 3 checkpoints, 3 rebuilt \(\d+ bytes\), \d+ names?, 1 head copy, "
+                        r"0 outputs, 0 problems, 0 orphans", ok.stdout.splitlines()[-1]), ok.stdout
     summary = json.loads(chkq("log", "verify", url, "run", "--json").stdout)
     assert summary["ok"] is True and summary["records"] == 3
 
