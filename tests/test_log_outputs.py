@@ -400,8 +400,8 @@ def test_gc_keeps_outputs_and_outputs_keep_nothing_alive(local_store: Checkpoint
     publish(log, data, ids, names)
     unrecorded = f"runs/{RUN}/outputs/crashed-publisher.h5"
     local_store.put(unrecorded, b"published, never recorded")
-    orphan = log.payload_key("f" * 64, "full", None)
-    local_store.put(orphan, b"left by a writer that died")
+    orphan = log.payload_key(ids[0], "delta", ids[2])
+    local_store.put(orphan, b"a losing writer's payload of a checkpoint the output names")
     stale = log.head_copy_key(ids[1])
     local_store.put(stale, local_store.get(log.head_copy_key(ids[2])))
     outputs_before = {k: local_store.get(k) for k in local_store.list(f"runs/{RUN}/outputs/")}
@@ -409,7 +409,7 @@ def test_gc_keeps_outputs_and_outputs_keep_nothing_alive(local_store: Checkpoint
 
     removed = CheckpointLog(local_store, RUN, trust=LogTrust()).gc(older_than=0)
     assert sorted(removed) == sorted([orphan, stale]), \
-        "a checkpoint an output was made from keeps no stale head copy alive"
+        "a checkpoint an output was made from keeps no unrecorded payload or stale head copy"
     assert {k: local_store.get(k) for k in local_store.list(f"runs/{RUN}/outputs/")} \
         == outputs_before
 
