@@ -8,11 +8,11 @@ formed and names a recorded checkpoint, and no name's entries disagree (a
 conflict, when no trusted key decides); every output entry is well formed (and
 signed), names checkpoints of the run under the names their name entries give,
 and its output object exists with the entry's size. With ``read_data`` every
-output object is also read, in pieces, and checked against its entry's SHA-256,
-and every checkpoint is
-rebuilt from its keyframe along its delta chain — never from a head copy or
-the cache, since a load prefers the head copy and would hide damage to the
-chain — each payload read once, depth first, so that memory holds one chain.
+output object is also read, in pieces, and checked against its entry's
+SHA-256, and every checkpoint is rebuilt from its keyframe along its delta
+chain — never from a head copy or the cache, since a load prefers the head
+copy and would hide damage to the chain — each payload read once, depth
+first, so that memory holds one chain.
 Keys nothing refers to are orphans, not problems: crashed writers leave them
 and gc removes them.  Nothing under ``outputs/`` is an orphan: an object there
 that no entry records (its publisher died before recording it, or it is being
