@@ -254,6 +254,9 @@ def test_verify_reads_each_output_and_reports_a_changed_or_missing_one(
     code, out, err = cli(capsys, "verify", url, RUN, "--read-data")
     assert code == 0, out + err
     assert f", 1 output (1 read, {len(data)} bytes), 0 problems, 0 orphans" in out
+    code, out, _ = cli(capsys, "verify", url, RUN, "--read-data", "--json")
+    summary = json.loads(out)
+    assert code == 0 and (summary["outputs"], summary["output_bytes"]) == (1, len(data))
 
     damaged = bytearray(data)
     damaged[len(data) // 2] ^= 1
