@@ -7,21 +7,24 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from chkq.errors import OutputExistsError, OutputNotWritableError, OutputWriteError
 from chkq.rundir import CREATE
 
 
-def write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
+def write_temp(dir_fd: int, data: bytes | Iterable[bytes], mode: int = 0o600) -> str:
     """A new, randomly named, fsynced file in directory ``dir_fd`` holding ``data``; its name.
 
     The name (``.chkq-<random>.tmp``) is unpredictable and the file is
     created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or symbolic link
     someone planted at a temporary's name is never opened, truncated or
     written through. It is created 0600 and given ``mode & 0o777`` before any
-    byte is written. On any error nothing is left behind.
+    byte is written. ``data`` may be pieces, written as they come (a stream
+    that raises is an error like any other). On any error nothing is left behind.
     """
+    pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     for _ in range(16):
         temp = f".chkq-{secrets.token_hex(12)}.tmp"
         try:
@@ -33,9 +36,10 @@ def write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
         raise OutputExistsError("could not create a temporary file")
     try:
         os.fchmod(fd, mode & 0o777)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
         os.fsync(fd)
     except BaseException:
         os.close(fd)
