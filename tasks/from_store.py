@@ -47,6 +47,7 @@ from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import BadMessageError, BadMessageTypeError, ChkqError, JobStateGoneError
 from chkq.fsutil import private_directory
 from chkq.log.checkpoint_log import CheckpointLog
+from chkq.log.records import OutputEntry
 from chkq.stores.publish import Published, publish_file
 from chkq.stores.url import open_store, parse_store_url
 from chkq.tasks import protocol
@@ -297,12 +298,10 @@ def publish_output(found: StoreJob, job: str, output: Path, files: list[str]) ->
     published: Published = publish_file(store, found.destination[1], output)
     run = found.run
     if run.run_id is not None:
-        from chkq.log.records import OutputEntry
-
-        CheckpointLog(open_store(run.store_url), run.run_id).record_output(OutputEntry.new(
+        CheckpointLog(open_store(run.store_url), run.run_id).record_output(OutputEntry(
             model=run.model, key=published.key, size=published.size, sha256=published.sha256,
-            checkpoints=[o.version for o in run.objects], names=[o.name for o in run.objects],
-            job=job))
+            checkpoints=tuple(o.version for o in run.objects),
+            names=tuple(o.name for o in run.objects), job=job))
     warnings = delete_sources(run) if found.cleanup else []
     log.info("job=%s published %s (%d bytes, sha256 %s; %s)", job, published.url,
              published.size, published.sha256, published.proof)
