@@ -32,6 +32,7 @@ from typing import Any
 
 from celery import chord, group, signature
 
+from chkq.access import resolve_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name
@@ -157,6 +158,17 @@ def scratch_roots() -> tuple[str, ...]:
     return (str(get_settings().scratch_root),)
 
 
+def check_store_allowed(url: str) -> None:
+    """Refuse a ``file://`` store outside ``CHKQ_ALLOWED_ROOTS``, as for run directories.
+
+    A store job's message names where it reads and publishes; a local store
+    is a directory of this worker's machine like any run directory.
+    """
+    location = parse_store_url(url)
+    if location.local_root is not None:
+        resolve_allowed(location.local_root, get_settings().allowed_roots)
+
+
 def destination_of(run: StoreRun, to: str | None) -> tuple[str, str]:
     """The store URL and key the output of ``run`` goes to: ``to``, or beside the sources.
 
@@ -234,8 +246,10 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         return {"cancelled": True}
     recorded = store_job(job)
     if recorded is None:
+        check_store_allowed(source)
         found = find_store_run(source, model, run)
         destination = destination_of(found, to)
+        check_store_allowed(destination[0])
         check_destination_free(found, destination)
         workspace = private_directory(get_settings().scratch_root) / job
         sweep_workspaces()

@@ -1,8 +1,9 @@
 """Consolidation of runs kept only in an object store: real workers, real stores.
 
 The workers here see no run directory: each has its own scratch directory,
-and ``CHKQ_ALLOWED_ROOTS`` names only that and the directory where the
-reference outputs (the same runs consolidated from a directory) are made.
+and ``CHKQ_ALLOWED_ROOTS`` names only that, the directory of the local
+stores, and the directory where the reference outputs (the same runs
+consolidated from a directory) are made.
 Stores are a local directory (``file://``), moto's S3 server over HTTP and
 fake-gcs-server.
 """
@@ -43,7 +44,7 @@ def store_worker(redis_server: object, s3_endpoint: str, gcs_endpoint: str,
     url = redis_server.url  # type: ignore[attr-defined]
     process = WorkerProcess(url, "control,copy,verify,commit", 2, places["scratch"], env={
         "CHKQ_SCRATCH_DIR": str(places["scratch"] / "work"),
-        "CHKQ_ALLOWED_ROOTS": f"{places['scratch']}:{places['reference']}"})
+        "CHKQ_ALLOWED_ROOTS": f"{places['scratch']}:{places['reference']}:{places['stores']}"})
     yield process
     process.stop()
 
@@ -131,3 +132,14 @@ def test_cleanup_deletes_the_sources_once_published(
                                         cleanup=True).wait_for_output(timeout=TIMEOUT)
     assert output == url + "out/sim.h5"
     assert store.list() == ["notes.txt", "out/sim.h5"]
+
+
+def test_a_local_store_outside_the_allowed_roots_is_refused_untouched(
+        store_worker: WorkerProcess, places: dict[str, Path], tmp_path: Path) -> None:
+    files = make_run(tmp_path / "run", "sim", RunShape(checkpoints=2, trials=100))
+    url = (tmp_path / "elsewhere").as_uri() + "/"
+    store = open_store(url)
+    keys = upload_run(files, tmp_path / "run", store)
+    with pytest.raises(PermissionError, match="outside the directories this worker may touch"):
+        submit_store_consolidation("sim", url).wait_for_output(timeout=TIMEOUT)
+    assert store.list() == keys

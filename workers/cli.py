@@ -379,6 +379,12 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.command == "watch" and getattr(args, "wait", False) \
             and not getattr(args, "consolidate", False):
         parser.error("watch: --wait needs --consolidate")
+    if args.command == "watch" and not getattr(args, "consolidate", False) \
+            and (getattr(args, "from_store", False) or getattr(args, "to", None)):
+        parser.error("watch: --from-store and --to need --consolidate")
+    if args.command == "watch" and getattr(args, "to", None) \
+            and not getattr(args, "from_store", False):
+        parser.error("watch: --to needs --from-store")
     if args.command == "consolidate" and args.source is None:
         for flag, value in (("--run", args.run), ("--to", args.to)):
             if value is not None:
