@@ -25,7 +25,7 @@ from chkq.errors import FileChangedError, StoredBytesMismatchError, TransientSto
 from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore
 from chkq.stores.faults import FaultyStore
 from chkq.stores.publish import FileDigests, publish_file, published_as, sweep_uploads
-from support.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET, FaultProxy
 
 MiB = 1 << 20
 KEY = "out/MODEL.h5"
@@ -367,6 +367,26 @@ def test_s3_refuses_a_part_whose_checksum_is_not_of_its_bytes(request: pytest.Fi
                                ChecksumSHA256=wrong)
     finally:
         client.abort_multipart_upload(Bucket=BUCKET, Key=name, UploadId=upload["UploadId"])
+
+
+def test_a_part_s3_refuses_for_its_checksum_fails_the_publish_cleanly(
+        s3_proxy: FaultProxy, source: tuple[Path, bytes]) -> None:
+    """What S3 answers a part whose bytes are not those of its ChecksumSHA256 (moto does not)."""
+    from chkq.stores import S3Store
+
+    path, _ = source
+    store = S3Store(BUCKET, "bad-digest", endpoint_url=s3_proxy.url)
+    body = (b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>BadDigest</Code><Message>The "
+            b"SHA256 you specified did not match the calculated checksum.</Message></Error>")
+    s3_proxy.answer_next(
+        f"PUT /{BUCKET}/bad-digest/{KEY}?uploadId".encode(),
+        b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    with pytest.raises(StoredBytesMismatchError, match="part 1 of out/MODEL.h5.*BadDigest"):
+        publish_file(store, KEY, path, part_bytes=PART)
+    assert s3_proxy.answered == 1
+    assert not store.exists(KEY)
+    assert store.stray_uploads() == []
 
 
 # published_as and sweep_uploads ----------------------------------------------------------------

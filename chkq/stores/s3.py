@@ -54,6 +54,7 @@ _TRANSIENT_CODES = frozenset(
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
+_BAD_DIGEST_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
 
 
 def _error(exc: ClientError) -> tuple[str, int]:
@@ -480,11 +481,19 @@ class _MultipartUpload(PartsUpload):
         if self._checksum:
             sent = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
             extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": sent}
-        answer = store._retry(
-            lambda: store.client.upload_part(
-                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                PartNumber=number, Body=piece, **extra),
-            f"upload part {number} of {self.key}")
+        try:
+            answer = store._retry(
+                lambda: store.client.upload_part(
+                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
+                    PartNumber=number, Body=piece, **extra),
+                f"upload part {number} of {self.key}")
+        except ClientError as exc:
+            if extra and _error(exc)[0] in _BAD_DIGEST_CODES:
+                raise StoredBytesMismatchError(
+                    f"store {store.url}: part {number} of {self.key}: the store received "
+                    f"bytes whose SHA-256 is not the {extra['ChecksumSHA256']} sent "
+                    f"({_error(exc)[0]})") from exc
+            raise
         part = {"ETag": answer["ETag"], "PartNumber": number}
         if extra:
             received = answer.get("ChecksumSHA256")
