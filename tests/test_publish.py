@@ -98,6 +98,24 @@ def test_publishing_reads_and_sends_one_part_at_a_time(source: tuple[Path, bytes
     assert store.get(KEY) == data
 
 
+def test_publishing_holds_a_few_parts_in_memory(tmp_path: Path) -> None:
+    import tracemalloc
+
+    path = tmp_path / "big.h5"
+    with path.open("wb") as out:
+        for index in range(32):
+            out.write(random.Random(index).randbytes(MiB))
+    store = LocalDirectoryStore(tmp_path / "store")
+    tracemalloc.start()
+    try:
+        publish_file(store, KEY, path, part_bytes=PART)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * PART, f"{peak} bytes at the peak for a 32 MiB file in 1 MiB parts"
+    assert store.size(KEY) == 32 * MiB
+
+
 def test_an_empty_file_is_published(store: CheckpointStore, tmp_path: Path) -> None:
     path = tmp_path / "empty.h5"
     path.write_bytes(b"")

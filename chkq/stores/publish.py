@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 MAX_PARTS = 10_000
 """Most parts of one upload (S3's limit): larger files get larger parts."""
 READ_BACK_CHUNK = 8 << 20
-"""Bytes read at a time when an object is read back to be hashed."""
+"""Bytes read at a time when an object is read back to be hashed, where no part size is given
+(a publish reads back a part at a time)."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def publish_file(store: CheckpointStore, key: str, path: str | os.PathLike[str],
                  part_bytes: int = 64 << 20, sha256: str | None = None) -> Published:
     """Publish the local file ``path`` as the object ``key`` of ``store``, create-if-absent.
 
-    The file is read once, a part at a time (memory: about one part),
+    The file is read once, a part at a time (memory: three parts at the peak),
     uploaded through ``store.upload(key, checksum=True)`` and published on
     completion only if no object has the key; the stored bytes are then
     shown equal to the bytes read (:attr:`Published.proof`): on S3 by the
@@ -356,7 +357,7 @@ def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool)
 def _read_back(store: CheckpointStore, key: str, digests: FileDigests) -> str | None:
     whole, offset = hashlib.sha256(), 0
     while True:
-        piece = store.get_range(key, offset, READ_BACK_CHUNK)
+        piece = store.get_range(key, offset, digests.part_size)
         if not piece:
             break
         whole.update(piece)
