@@ -471,8 +471,10 @@ def test_conflicting_log_entries_are_refused_naming_them(tmp_path: Path) -> None
 def test_a_log_without_the_model_names_the_url(tmp_path: Path) -> None:
     root = tmp_path / "log"
     CheckpointLog(LocalDirectoryStore(root), "r1").commit(b"x", name="other_chk00001.h5")
-    with pytest.raises(NoCheckpointsError, match="model 'run'"):
+    with pytest.raises(NoCheckpointsError, match=r"model 'run' in .*log run 'r1'"):
         find_store_run(root.as_uri(), "run", run="r1")
+    with pytest.raises(NoCheckpointsError, match=r"model 'run' in .*log run 'r2'"):
+        find_store_run(root.as_uri(), "run", run="r2")
 
 
 # ------------------------------------------------------------------------------ cleanup
@@ -531,3 +533,12 @@ def test_default_output_key_of_plain_objects(tmp_path: Path, s3_endpoint: str) -
     assert found.store_url == f"s3://{BUCKET}"
     assert default_output_key(found) == f"{found.prefix}run.h5"
     assert found.url_of("run_chk00001.h5") == f"{url}run_chk00001.h5"
+
+
+def test_a_local_checkpoint_file_the_store_cannot_read_is_refused(tmp_path: Path) -> None:
+    original = tmp_path / "original"
+    make_run(original, "run", SHAPES["threads"])
+    os.rename(original / "run_chk00002" / "thread_0001.h5",
+              original / "run_chk00002" / "thread\\0001.h5")
+    with pytest.raises(BadCheckpointError, match=r"thread\\\\0001\.h5"):
+        find_store_run(original.as_uri(), "run")

@@ -221,9 +221,11 @@ def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool,
             folder = f"{run.model}_chk{number:05d}/"
             raise BadCheckpointError(
                 f"checkpoint directory {run.url_of(folder)!r} holds no .h5 file")
+    where = repr(run.source) if run.run_id is None \
+        else f"{run.source!r} (log run {run.run_id!r})"
     if not chosen:
         raise NoCheckpointsError(
-            f"no checkpoints of model {run.model!r} in {run.source!r} "
+            f"no checkpoints of model {run.model!r} in {where} "
             f"(expected {run.model}_chkNNNNN.h5 or {run.model}_chkNNNNN/<name>.h5)")
     for obj in chosen:
         _refuse_unholdable(run, obj.name)
@@ -234,7 +236,7 @@ def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool,
         shown = ", ".join(f"{n:05d}" for n in missing[:20])
         if len(missing) > 20:
             shown += f" and {len(missing) - 20} more"
-        what = (f"checkpoint(s) {shown} of model {run.model!r} are missing in {run.source!r} "
+        what = (f"checkpoint(s) {shown} of model {run.model!r} are missing in {where} "
                 f"(found {len(numbers)} between {numbers[0]:05d} and {numbers[-1]:05d})")
         if not allow_gaps:
             raise CheckpointGapError(
@@ -326,6 +328,10 @@ def _local_objects(store: CheckpointStore, root: Path, model: str
                 version = store.version(name)
             except KeyError:
                 continue
+            except InvalidKeyError as exc:
+                raise BadCheckpointError(
+                    f"checkpoint file {str(path)!r} cannot be read through the store: "
+                    f"{exc}") from None
             found[name] = SourceObject(name, name, version.size, version.version)
     return found, frozenset(folders)
 

@@ -20,14 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from chkq.stores.base import CheckpointStore, TransientStoreError
+from chkq.stores.base import CheckpointStore, ObjectVersion, TransientStoreError
 
 __all__ = ["OPERATIONS", "FaultyStore", "Rule"]
 
 T = TypeVar("T")
 
 OPERATIONS = frozenset({"put", "put_if_absent", "get", "get_at_most", "exists", "list",
-                        "delete", "modified", "available"})
+                        "delete", "modified", "available", "version", "versions",
+                        "get_range_pinned"})
 """Names of the operations a rule can match (``list`` matches on its prefix)."""
 
 Action = Literal["fail", "lose", "delay", "call"]
@@ -209,6 +210,17 @@ class FaultyStore(CheckpointStore):
 
     def _modified(self, key: str) -> float:
         return self._run("modified", key, lambda: self.inner.modified(key))
+
+    def _version(self, key: str) -> ObjectVersion:
+        return self._run("version", key, lambda: self.inner.version(key))
+
+    def _versions(self, prefix: str) -> dict[str, ObjectVersion]:
+        return self._run("versions", prefix, lambda: self.inner.versions(prefix))
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        return self._run("get_range_pinned", key,
+                         lambda: self.inner.get_range_pinned(key, pinned, start, length))
 
     def _available(self) -> bool:
         def check() -> bool:
