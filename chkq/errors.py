@@ -179,6 +179,16 @@ class NothingToRestoreError(ChkqError, LookupError):
     """The run has no files to restore (or none of the model asked for)."""
 
 
+class OutputEntryError(ChkqError, ValueError):
+    """A run's output entry cannot be used: malformed, refused for its signature, or naming
+    an output object where none may lie; the message names the entry's key."""
+
+
+class OutputCorruptionError(ChkqError, ValueError):
+    """A recorded output object is missing, or its size or SHA-256 is not its entry's; the
+    message names the object's key."""
+
+
 class DeltaError(ChkqError, ValueError):
     """A delta cannot be made (inputs too large) or decoded (corrupt or wrong base)."""
 

@@ -6,21 +6,25 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from chkq.errors import OutputExistsError, OutputNotWritableError, OutputWriteError
 from chkq.rundir import CREATE
 
 
-def write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
+def write_temp(dir_fd: int, data: bytes | Iterable[bytes], mode: int = 0o600) -> str:
     """A new, randomly named, fsynced file in directory ``dir_fd`` holding ``data``; its name.
 
     The name (``.chkq-<random>.tmp``) is unpredictable and the file is
     created with ``O_CREAT|O_EXCL|O_NOFOLLOW``, so a file or symbolic link
     someone planted at a temporary's name is never opened, truncated or
     written through. It is created 0600 and given ``mode & 0o777`` before any
-    byte is written. On any error nothing is left behind.
+    byte is written. ``data`` may be pieces, written as they come (a stream
+    that raises is an error like any other). On any error nothing is left behind.
     """
+    pieces = [data] if isinstance(data, (bytes, bytearray, memoryview)) else data
     for _ in range(16):
         temp = f".chkq-{secrets.token_hex(12)}.tmp"
         try:
@@ -32,9 +36,10 @@ def write_temp(dir_fd: int, data: bytes, mode: int = 0o600) -> str:
         raise OutputExistsError("could not create a temporary file")
     try:
         os.fchmod(fd, mode & 0o777)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -157,3 +162,35 @@ def write_failure(directory: Path, exc: OSError, file: Path | None = None) -> Ou
     return OutputWriteError(
         exc.errno or errno.EIO,
         f"cannot write {str(named)!r}: {reason} ({describe_filesystem(directory)}){said}")
+
+
+def private_directory(path: Path) -> Path:
+    """``path`` as a directory only this user can enter, created (mode 0700) if missing.
+
+    A working directory in a shared place (``/tmp``) may have been made
+    beforehand by someone else, or be a link to their directory: what is
+    there is used only if it is a real directory, this user's, and closed
+    to others.
+
+    Raises
+    ------
+    PermissionError
+        If ``path`` is a link, not a directory, another user's, or open to
+        group or others; the message names it.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(path.parent, exist_ok=True)
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    problem = None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory (a link?)"
+    elif info.st_uid != os.getuid():
+        problem = f"belongs to uid {info.st_uid}, not to this user ({os.getuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    if problem is not None:
+        raise PermissionError(errno.EACCES, f"scratch directory {str(path)!r} {problem}: "
+                              "refused (set CHKQ_SCRATCH_DIR to a private directory)",
+                              str(path))
+    return path

@@ -25,7 +25,7 @@ from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
 from chkq.config.security import install_signing, signing_config
 from chkq.config.settings import Settings
 
-TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.commit")
+TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.from_store", "chkq.tasks.commit")
 #: The worker runtime, named here and loaded by Celery where it is used: the consumer in
 #: workers, the transport in every process that talks to a Redis broker.
 CONSUMER_CLASS = "chkq.workers.consumer:GuardedConsumer"

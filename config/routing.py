@@ -17,10 +17,16 @@ COMMIT_QUEUE = "chkq.commit"
 
 QUEUES: tuple[str, ...] = (CONTROL_QUEUE, COPY_QUEUE, VERIFY_QUEUE, COMMIT_QUEUE)
 
+#: Each worker also serves a queue of its own, ``chkq.node.NODENAME``: the steps of a job
+#: whose files are in that worker's scratch directory are sent there.
+NODE_QUEUE_PREFIX = "chkq.node."
+
 #: Short names accepted by ``chkq worker -Q`` (``copy`` means ``chkq.copy``).
 SHORT_NAMES: dict[str, str] = {name.removeprefix("chkq."): name for name in QUEUES}
 
 TASK_ROUTES: dict[str, dict[str, str]] = {
+    "chkq.stage": {"queue": CONTROL_QUEUE},
+    "chkq.fetch": {"queue": COPY_QUEUE},
     "chkq.plan": {"queue": CONTROL_QUEUE},
     "chkq.scan": {"queue": CONTROL_QUEUE},
     "chkq.merge": {"queue": CONTROL_QUEUE},
@@ -44,6 +50,13 @@ def task_queues(quorum: bool = False) -> list[Queue]:
     arguments = {"x-queue-type": "quorum"} if quorum else None
     return [Queue(name, routing_key=name, durable=True, queue_arguments=arguments)
             for name in QUEUES]
+
+
+def node_queue(nodename: str, quorum: bool = False) -> Queue:
+    """The queue of the worker named ``nodename`` (``celery@host``), declared as chkq's are."""
+    name = NODE_QUEUE_PREFIX + nodename
+    arguments = {"x-queue-type": "quorum"} if quorum else None
+    return Queue(name, routing_key=name, durable=True, queue_arguments=arguments)
 
 
 def resolve_queues(spec: str | None) -> list[str]:

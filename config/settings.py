@@ -8,7 +8,9 @@ up into the command line for their configuration.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from chkq.errors import ConfigurationError
@@ -106,6 +108,12 @@ class Settings:
         signatures workers accept). All three or none: when set, task and
         remote-control messages are signed and unsigned ones refused
         (:mod:`chkq.config.security`); off when unset.
+    scratch_dir
+        This worker's private working directory (``CHKQ_SCRATCH_DIR``; default
+        ``chkq-scratch-UID`` in the temporary directory): where a job whose
+        checkpoints are in an object store is fetched, consolidated and
+        verified before its output is published to the store. Created mode
+        0700; one that is a link, another user's, or open to others is refused.
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
         used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the
@@ -132,6 +140,7 @@ class Settings:
     security_key: str | None = None
     security_certificate: str | None = None
     security_cert_store: str | None = None
+    scratch_dir: str | None = None
     # Several nodes: the broker's kind and how a lost peer is noticed.
     broker_heartbeat: int = 20
 
@@ -157,6 +166,7 @@ class Settings:
             security_key=os.environ.get("CHKQ_SECURITY_KEY") or None,
             security_certificate=os.environ.get("CHKQ_SECURITY_CERTIFICATE") or None,
             security_cert_store=os.environ.get("CHKQ_SECURITY_CERT_STORE") or None,
+            scratch_dir=os.environ.get("CHKQ_SCRATCH_DIR") or None,
             broker_heartbeat=_int("CHKQ_BROKER_HEARTBEAT", cls.broker_heartbeat),
         )
         settings.check()
@@ -219,6 +229,13 @@ class Settings:
     def signing(self) -> bool:
         """True when task messages are signed and only signed ones accepted."""
         return self.security_key is not None
+
+    @property
+    def scratch_root(self) -> Path:
+        """The scratch directory's path (not created: :func:`chkq.fsutil.private_directory`)."""
+        if self.scratch_dir:
+            return Path(self.scratch_dir).absolute()
+        return Path(tempfile.gettempdir()) / f"chkq-scratch-{os.getuid()}"
 
     @property
     def budget_seconds(self) -> int:

@@ -78,6 +78,14 @@ from chkq.lru import LRU
 from chkq.rundir import RunDir
 from chkq.tasks import protocol
 from chkq.tasks.base import Checked, ChkqTask, JobInterruptedError, slowest_rates, task_lifecycle
+from chkq.tasks.from_store import (
+    discard_workspace,
+    in_store_terms,
+    placed_queue,
+    publish_output,
+    scratch_roots,
+    store_job,
+)
 from chkq.tasks.protocol import (
     consolidation_signature,
     fail_signature,
@@ -101,7 +109,8 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     """
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
         raise BadMessageError(f"output directory {out_dir!r} must be an absolute path")
-    check_allowed(out_dir, get_settings().allowed_roots)
+    roots = get_settings().allowed_roots
+    check_allowed(out_dir, roots and roots + scratch_roots())
     directory = check_out_dir(os.path.realpath(out_dir))
     return directory, check_model_name(model), check_job_id(job)
 
@@ -141,16 +150,22 @@ def _names(out_dir: str, paths: list[Path]) -> list[str]:
     return names if len(names) <= 4 else [names[0], "...", names[-1]]
 
 
+def placed(sig: Any, queue: str | None) -> Any:
+    """``sig`` sent to ``queue`` (the worker holding a store job), or routed as usual."""
+    return sig if queue is None else sig.set(queue=queue)
+
+
 def launch_copies(plan: Plan) -> None:
     """Send the copy group, with merge as its chord callback."""
     job, out_dir, model = plan.job_id, plan.out_dir, plan.model
-    merge_sig = merge.si(out_dir, model, job).set(
-        task_id=task_id(job, "merge"), link_error=[fail_signature(out_dir, model, job)]
-    )
+    queue = placed_queue(job, out_dir)
+    merge_sig = placed(merge.si(out_dir, model, job).set(
+        task_id=task_id(job, "merge"), link_error=[fail_signature(out_dir, model, job, queue)]
+    ), queue)
     copies = [
-        copy.si(out_dir, model, job, i, **describe_unit(plan, i)).set(
+        placed(copy.si(out_dir, model, job, i, **describe_unit(plan, i)).set(
             task_id=task_id(job, "copy", i)
-        )
+        ), queue)
         for i in range(len(plan.copy_units))
     ]
     if not copies:
@@ -162,13 +177,14 @@ def launch_copies(plan: Plan) -> None:
 def launch_verification(plan: Plan) -> None:
     """Send the verify group (file batches, then the whole-output check), link as callback."""
     job, out_dir, model = plan.job_id, plan.out_dir, plan.model
-    link_sig = link.si(out_dir, model, job).set(
-        task_id=task_id(job, "link"), link_error=[fail_signature(out_dir, model, job)]
-    )
+    queue = placed_queue(job, out_dir)
+    link_sig = placed(link.si(out_dir, model, job).set(
+        task_id=task_id(job, "link"), link_error=[fail_signature(out_dir, model, job, queue)]
+    ), queue)
     verifies = [
-        verify.si(out_dir, model, job, i, files=describe_files(plan, i)).set(
+        placed(verify.si(out_dir, model, job, i, files=describe_files(plan, i)).set(
             task_id=task_id(job, "verify", i)
-        )
+        ), queue)
         for i in range(protocol.verify_unit_count(plan))
     ]
     chord(group(verifies).set(task_id=task_id(job, "verifies")), link_sig).apply_async()
@@ -345,13 +361,14 @@ def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bo
     if task.request.get("replaced_task_nesting", 0):
         raise UnprovenJobError(f"job {job} cannot be planned: its scan units finished "
                                "without recording their scans")
+    queue = placed_queue(job, out_dir)
     scans = [
-        scan.si(out_dir, model, job, i, files=_names(out_dir, paths[first:stop])).set(
-            task_id=task_id(job, "scan", i))
+        placed(scan.si(out_dir, model, job, i, files=_names(out_dir, paths[first:stop])).set(
+            task_id=task_id(job, "scan", i)), queue)
         for i, (first, stop) in enumerate(units)
     ]
-    body = plan_job.si(out_dir, model, job, cleanup=cleanup,
-                       **({"allow_gaps": True} if allow_gaps else {}))
+    body = placed(plan_job.si(out_dir, model, job, cleanup=cleanup,
+                              **({"allow_gaps": True} if allow_gaps else {})), queue)
     raise task.replace(chord(group(scans).set(task_id=task_id(job, "scans")), body))
 
 
@@ -443,7 +460,8 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         if len(done | set(piece)) < len(items):
             log.info("job=%s merged %d of %d part files and files of variable-length rows",
                      job, len(done | set(piece)), len(items))
-            raise self.replace(merge.si(out_dir, model, job))
+            raise self.replace(placed(merge.si(out_dir, model, job),
+                                      placed_queue(job, out_dir)))
         protocol.record_merged(plan)
         remove_parts(plan)
     launch_verification(plan)
@@ -528,9 +546,18 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     warnings = remove_checkpoints(plan) if plan.cleanup else []
     result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
               "bytes": os.lstat(output).st_size, "warnings": warnings}
+    in_store = store_job(job) if placed_queue(job, out_dir) else None
+    if in_store is not None:
+        try:
+            result |= publish_output(in_store, job, output, [f for f, *_ in plan.files])
+        except BaseException as exc:
+            discard_workspace(in_store)
+            raise in_store_terms(exc, in_store) from None
     record_finished(job, result)
     discard_job_files(plan.job)
     protocol.forget_progress(job)
+    if in_store is not None:
+        discard_workspace(in_store)
     return result
 
 
@@ -606,14 +633,21 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     """
     job = check_job_id(job)
     task, cause = _root_cause(exc, getattr(request, "id", None), job)
+    in_store = _trusted(store_job, job)
+    if in_store is not None:
+        cause = in_store_terms(cause, in_store)
     if _trusted(finished_result, job) is not None or _trusted(protocol.failure, job) is not None:
         log.warning("job=%s failure after the job ended ignored: %r", job, cause)
         return
     if _trusted(protocol.cancelled, job) is not None:
-        _discard_quietly(out_dir, model, job)
+        _discard_quietly(out_dir, model, job) if out_dir else None
+        if in_store is not None:
+            discard_workspace(in_store)
         protocol.forget_progress(job)
         return
-    removed = _discard_quietly(out_dir, model, job)
+    removed = _discard_quietly(out_dir, model, job) if out_dir else []
+    if in_store is not None:
+        discard_workspace(in_store)
     try:
         protocol.record_failed(job, task, cause)
         protocol.forget_refused(job)

@@ -107,24 +107,31 @@ def task_id(job: str, step: str, unit: int | None = None) -> str:
     return job if step == "link" else f"{job}-{step}" + ("" if unit is None else f"-{unit}")
 
 
-def fail_signature(out_dir: str, model: str, job: str) -> Any:
-    """The errback every step of a job carries: ``chkq.fail`` with the job's arguments."""
-    return signature("chkq.fail", args=(out_dir, model, job), app=get_app())
+def fail_signature(out_dir: str, model: str, job: str, queue: str | None = None) -> Any:
+    """The errback every step of a job carries: ``chkq.fail`` with the job's arguments.
+
+    ``queue``: the queue of the worker whose scratch directory holds the job's
+    files (a job from an object store), where its failure must be cleaned up.
+    """
+    sig = signature("chkq.fail", args=(out_dir, model, job), app=get_app())
+    return sig if queue is None else sig.set(queue=queue)
 
 
 def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool,
-                            allow_gaps: bool = False) -> Any:
+                            allow_gaps: bool = False, queue: str | None = None) -> Any:
     """The message that starts a job: ``chkq.plan`` with ``chkq.fail`` as errback.
 
     ``allow_gaps`` travels only when set, so that the message of an ordinary
-    job is the one every worker version accepts.
+    job is the one every worker version accepts. ``queue`` places the job on
+    one worker (see :func:`fail_signature`).
     """
     kwargs: dict[str, bool] = {"cleanup": cleanup}
     if allow_gaps:
         kwargs["allow_gaps"] = True
-    return signature(
+    sig = signature(
         "chkq.plan", args=(out_dir, model, job), kwargs=kwargs, app=get_app()
-    ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job)])
+    ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job, queue)])
+    return sig if queue is None else sig.set(queue=queue)
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -495,6 +502,22 @@ def recorded_run(job: str, out_dir: str, model: str) -> list[Any] | None:
     _check_target(job, (out_dir, model), (record.get("out_dir"), record.get("model")))
     checkpoints: list[Any] = record.get("checkpoints") or []
     return checkpoints
+
+
+def record_store_job(job: str, record: dict[str, Any]) -> dict[str, Any]:
+    """Record where a job from an object store reads and publishes, unless recorded; return it."""
+    _set(_key(job, "store"), record, nx=True)
+    recorded = store_job_record(job)
+    assert recorded is not None
+    return recorded
+
+
+def store_job_record(job: str) -> dict[str, Any] | None:
+    """The store record of ``job`` (:func:`record_store_job`), or None for a directory job."""
+    record = _get(_key(job, "store"))
+    if record is not None and not isinstance(record, dict):
+        raise ForgedRecordError(f"job record {_key(job, 'store')} is not a store job: refused")
+    return record
 
 
 def record_scanned(job: str, unit: int, record: dict[str, Any]) -> None:

@@ -150,7 +150,7 @@ def test_verify_command(store: CheckpointStore) -> None:
     assert ok.returncode == 0, ok.stderr
     assert ok.stderr == ""
     assert re.fullmatch(r"ok: 3 checkpoints, 3 rebuilt \(\d+ bytes\), \d+ names?, 1 head copy, "
-                        r"0 problems, 0 orphans", ok.stdout.splitlines()[-1]), ok.stdout
+                        r"0 outputs, 0 problems, 0 orphans", ok.stdout.splitlines()[-1]), ok.stdout
     summary = json.loads(chkq("log", "verify", url, "run", "--json").stdout)
     assert summary["ok"] is True and summary["records"] == 3
 

@@ -185,8 +185,15 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     if args.no_wait:
         if not get_settings().broker_url:
             raise ConfigurationError("--no-wait needs a cluster: set CHKQ_BROKER_URL")
-        job = submit_consolidation(args.model, args.out_dir, args.cleanup,
-                                   allow_gaps=args.allow_gaps)
+        if args.source is not None:
+            from chkq.workers.client import submit_store_consolidation
+
+            job = submit_store_consolidation(args.model, args.source, run=args.run,
+                                             to=args.to, cleanup=args.cleanup,
+                                             allow_gaps=args.allow_gaps)
+        else:
+            job = submit_consolidation(args.model, args.out_dir, args.cleanup,
+                                       allow_gaps=args.allow_gaps)
         for warning in job.client_warnings:
             say(f"warning: {warning}")
         print(job.id)
@@ -196,7 +203,8 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     try:
         summary = run_consolidation(
             args.model, args.out_dir, args.cleanup, workers=args.workers,
-            timeout=args.timeout, allow_gaps=args.allow_gaps, on_progress=line,
+            timeout=args.timeout, allow_gaps=args.allow_gaps, source=args.source,
+            run=args.run, to=args.to, on_progress=line,
             on_notice=line.notice, on_submitted=submitted.append)
     except Interrupted as exc:
         line.close()
@@ -232,8 +240,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     install_log_filter()
     no_private_tempdir()
+    serve_node_queue()
     get_app().worker_main(argv=argv)
     return 0
+
+
+def serve_node_queue() -> None:
+    """Have the worker serve its own queue too (``chkq.node.NODENAME``), whatever ``-Q`` says.
+
+    The steps of a job fetched from an object store into this worker's scratch
+    directory are sent there.
+    """
+    from celery.signals import celeryd_after_setup
+
+    from chkq.config.celery_app import get_settings
+    from chkq.config.routing import node_queue
+
+    def add(sender: str, instance: Any, **_: Any) -> None:
+        instance.app.amqp.queues.select_add(
+            node_queue(sender, quorum=get_settings().broker_is_amqp))
+
+    celeryd_after_setup.connect(add, weak=False)
 
 
 def no_private_tempdir() -> None:
@@ -284,6 +311,14 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("consolidate", help="merge a run's HDF5 checkpoints into MODEL.h5")
     p.add_argument("model")
     p.add_argument("--out-dir", type=Path, help="the run's output directory (default: .)")
+    p.add_argument("--from", dest="source", metavar="STORE_URL",
+                   help="consolidate a run kept in an object store (s3://bucket/prefix/, "
+                        "gs://..., file:///dir/): its checkpoint objects, or with --run a "
+                        "checkpoint log's run; no shared filesystem needed")
+    p.add_argument("--run", help="with --from: the checkpoint log's run to consolidate")
+    p.add_argument("--to", metavar="URL",
+                   help="with --from: the object to publish the output at (default: "
+                        "MODEL.h5 beside the sources, or the log's runs/RUN/outputs/MODEL.h5)")
     p.add_argument("--cleanup", action="store_true",
                    help="delete the checkpoints once the output is verified and linked")
     p.add_argument("--workers", type=positive_int, default=None,
@@ -344,6 +379,18 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.command == "watch" and getattr(args, "wait", False) \
             and not getattr(args, "consolidate", False):
         parser.error("watch: --wait needs --consolidate")
+    if args.command == "watch" and not getattr(args, "consolidate", False) \
+            and (getattr(args, "from_store", False) or getattr(args, "to", None)):
+        parser.error("watch: --from-store and --to need --consolidate")
+    if args.command == "watch" and getattr(args, "to", None) \
+            and not getattr(args, "from_store", False):
+        parser.error("watch: --to needs --from-store")
+    if args.command == "consolidate" and args.source is None:
+        for flag, value in (("--run", args.run), ("--to", args.to)):
+            if value is not None:
+                parser.error(f"consolidate: {flag} needs --from (a run kept in a store)")
+    if args.command == "consolidate" and args.source is not None and args.out_dir is not None:
+        parser.error("consolidate: --out-dir and --from name two different runs; give one")
 
 
 def _quiet_stdout() -> None:

@@ -105,7 +105,8 @@ class JobSummary:
     job
         The job id.
     output
-        The consolidated file.
+        The consolidated file: its path, or its URL for a job published to an
+        object store.
     rows, files
         Rows written (every extensible dataset) and checkpoint files read.
     bytes
@@ -118,7 +119,7 @@ class JobSummary:
     """
 
     job: str
-    output: Path
+    output: Path | str
     rows: int = 0
     files: int = 0
     bytes: int | None = None
@@ -174,8 +175,8 @@ class ConsolidationJob(AsyncResult):
         is_alive: Callable[[], None] | None = None,
         outage_grace: float = OUTAGE_GRACE_SECONDS,
         on_notice: Callable[[str], None] | None = None,
-    ) -> Path:
-        """Block until the job ends; return the output path or raise the job's error.
+    ) -> Path | str:
+        """Block until the job ends; return the output path (or URL) or raise the job's error.
 
         See :meth:`wait_for_summary`, which this is, returning only the path.
         """
@@ -297,11 +298,14 @@ class ConsolidationJob(AsyncResult):
         if not self._succeeded():
             raise KeyError(f"job {self.id} has not succeeded")
         done = self._finished()
-        output = Path(done["output"])
-        try:
-            size: int | None = output.stat().st_size
-        except OSError:
-            size = None
+        output: Path | str = str(done["output"])
+        size: int | None = None
+        if done.get("store"):
+            size = int(done.get("bytes") or 0)
+        else:
+            output = Path(output)
+            with contextlib.suppress(OSError):
+                size = output.stat().st_size
         seconds = None
         if self.submitted_at is not None:
             seconds = time.monotonic() - self.submitted_at
@@ -513,15 +517,49 @@ def submit_consolidation(
     return handle
 
 
+def submit_store_consolidation(
+    model_name: str, source: str, *, run: str | None = None, to: str | None = None,
+    cleanup: bool = False, allow_gaps: bool = False,
+) -> ConsolidationJob:
+    """Send the consolidation of a run kept in an object store; return its handle at once.
+
+    ``source`` is a store URL (``s3://bucket/prefix/``, ``gs://…``,
+    ``file:///dir/``): with ``run``, the checkpoint log there and that run's
+    named files; without, the checkpoint objects under the prefix, named as
+    in a run directory. The output is published at ``to`` (an object URL;
+    default beside the sources: ``MODEL.h5`` under the prefix, or the log's
+    ``runs/RUN/outputs/MODEL.h5``), create-if-absent, once verified. A source
+    with no checkpoints of the model, or a destination that exists, is
+    refused here, before anything is sent.
+    """
+    from chkq.consolidation.store_run import find_store_run
+    from chkq.tasks.from_store import check_destination_free, destination_of, stage_signature
+
+    model = check_model_name(model_name)
+    found = find_store_run(source, model, run)
+    check_destination_free(found, destination_of(found, to))
+    job = uuid.uuid4().hex
+    submitted = time.monotonic()
+    record_submitted(job, model, source)
+    stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
+                    allow_gaps=allow_gaps).apply_async()
+    handle = ConsolidationJob(job, app=get_app())
+    handle.submitted_at = submitted
+    return handle
+
+
 def run_consolidation(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
     *, workers: int | None = None, timeout: float | None = None, allow_gaps: bool = False,
+    source: str | None = None, run: str | None = None, to: str | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     on_submitted: Callable[[ConsolidationJob], None] | None = None,
 ) -> JobSummary:
     """Consolidate and wait, as :func:`consolidate_checkpoints`; return the job's summary.
 
+    With ``source`` (and ``run``, ``to``), the run is in an object store
+    (:func:`submit_store_consolidation`) and ``out_dir`` is not used.
     ``on_submitted`` gets the job's handle as soon as it is sent (a command
     line interrupted later can then say what becomes of it), ``on_notice``
     what the user should know while waiting. In embedded mode, a job cut
@@ -530,17 +568,24 @@ def run_consolidation(
     """
     from chkq.workers.embedded import EmbeddedCluster, drop_result_subscriptions
 
+    def submit() -> ConsolidationJob:
+        if source is not None:
+            return submit_store_consolidation(model_name, source, run=run, to=to,
+                                              cleanup=cleanup, allow_gaps=allow_gaps)
+        return submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
+
     if get_settings().broker_url:
-        job = submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
+        job = submit()
         if on_submitted is not None:
             on_submitted(job)
         try:
             return job.wait_for_summary(timeout, on_progress, on_notice=on_notice)
         finally:
             drop_result_subscriptions()
-    precheck(model_name, out_dir, scan=True, allow_gaps=allow_gaps)
+    if source is None:
+        precheck(model_name, out_dir, scan=True, allow_gaps=allow_gaps)
     with EmbeddedCluster(workers) as cluster:
-        job = submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
+        job = submit()
         if job.files is not None:
             cluster.guard(job.files)
         if on_submitted is not None:
@@ -552,7 +597,7 @@ def consolidate_checkpoints(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
     *, workers: int | None = None, allow_gaps: bool = False,
     on_progress: Callable[[Progress], None] | None = None,
-) -> Path:
+) -> Path | str:
     """Consolidate ``model_name``'s checkpoints into ``OUT_DIR/MODEL.h5``; return its path.
 
     With ``CHKQ_BROKER_URL`` set, the job runs on that cluster; otherwise on

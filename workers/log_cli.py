@@ -44,6 +44,7 @@ from chkq.log.transfer import (
     CommitOptions,
     pull_mode,
     resolve_id,
+    restore_outputs,
     restore_run,
     write_output,
 )
@@ -156,6 +157,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     names = _names_by_id(log.entries(records))
     for record in records:
         print(_line(record, names))
+    for output in log.outputs():
+        print(output.line())
     _warn_malformed(log)
     return 0
 
@@ -173,9 +176,29 @@ def cmd_heads(args: argparse.Namespace) -> int:
 
 @_clean_errors
 def cmd_lineage(args: argparse.Namespace) -> int:
+    if (args.id is None) == (args.output is None):
+        raise CommandError("give a checkpoint ID or --output MODEL, one of them")
     log = _existing(args)
-    for record in log.lineage(resolve_id(log, args.id)):
+    if args.output is not None:
+        output = log.output(args.output)
+        if output is None:
+            recorded = ", ".join(e.model for e in log.outputs()) or "none"
+            raise CommandError(printable(f"run {log.run_id!r} has no recorded output of model "
+                                         f"{args.output!r} (its outputs: {recorded})"))
+        print(output.line())
+        for checkpoint, name in zip(output.checkpoints, output.names, strict=True):
+            try:
+                print(_line(log.record(checkpoint), {checkpoint: [name]}))
+            except KeyError:
+                print(printable(f"{checkpoint} missing name={name}"))
+        return 0
+    checkpoint = resolve_id(log, args.id)
+    for record in log.lineage(checkpoint):
         print(_line(record))
+    for output, position in log.outputs_of(checkpoint):
+        print(printable(f"{output.line()} made-from={position + 1}/{len(output.checkpoints)}"
+                        f" name={output.names[position]}"))
+    _warn_malformed(log)
     return 0
 
 
@@ -195,9 +218,10 @@ def cmd_pull(args: argparse.Namespace) -> int:
 @_clean_errors
 def cmd_restore(args: argparse.Namespace) -> int:
     log = _existing(args)
+    restore = restore_outputs if args.outputs else restore_run
     try:
-        result = restore_run(log, args.out_dir, args.model,
-                             on_file=lambda path: print(printable(str(path)), flush=True))
+        result = restore(log, args.out_dir, args.model,
+                         on_file=lambda path: print(printable(str(path)), flush=True))
     except NothingToRestoreError:
         _warn_malformed(log)
         raise
@@ -243,11 +267,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(printable(f"problem {key}: {why}"))
         for key in report.orphans:
             print(printable(f"orphan {key}"))
+        for key in report.unrecorded_outputs:
+            print(printable(f"unrecorded output {key}"))
         decoded = (f", {report.decoded} rebuilt ({report.decoded_bytes} bytes)"
                    if report.read_data else "")
+        outputs = (f" ({report.outputs_read} read, {report.output_bytes} bytes)"
+                   if report.read_data and report.outputs else "")
         print(f"{'ok' if report.ok else 'FAILED'}: {counted(report.records, 'checkpoint')}"
               f"{decoded}, {counted(report.names, 'name')}, "
               f"{counted(report.head_copies, 'head copy', 'head copies')}, "
+              f"{counted(report.outputs, 'output')}{outputs}, "
               f"{counted(len(report.problems), 'problem')}, "
               f"{counted(len(report.orphans), 'orphan')}")
     if not report.ok:
@@ -288,10 +317,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "run directory (default: the file's name)")
     p.add_argument("--model", help="the model the file belongs to (default: the one a "
                    "MODEL_chkNNNNN name says, if any)")
-    command("list", "every checkpoint, oldest first", cmd_list)
+    command("list", "every checkpoint, oldest first, then every consolidated output",
+            cmd_list)
     command("heads", "checkpoints nothing was committed on", cmd_heads)
-    p = command("lineage", "a checkpoint's ancestry, root first", cmd_lineage)
-    p.add_argument("id")
+    p = command("lineage", "a checkpoint's ancestry, root first, and the outputs made from "
+                "it; or, with --output, the checkpoints an output was made from", cmd_lineage)
+    p.add_argument("id", nargs="?", help="id (or unique prefix) of a checkpoint")
+    p.add_argument("--output", metavar="MODEL",
+                   help="the checkpoints MODEL's consolidated output was made from, in run "
+                   "order, with their names")
     p = command("pull", "write a checkpoint's verified bytes to a file", cmd_pull)
     p.add_argument("id")
     p.add_argument("-o", "--output", required=True, help="file to write ('-': stdout); an "
@@ -301,13 +335,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = command("restore", "bring a run's files back under their names", cmd_restore)
     p.add_argument("out_dir", type=Path)
     p.add_argument("model", nargs="?", help="only this model's files")
+    p.add_argument("--outputs", action="store_true",
+                   help="the consolidated outputs instead, as OUT_DIR/MODEL.h5, each checked "
+                   "against its recorded size and SHA-256 as it streams in")
     p = command("gc", "delete payloads no record points to", cmd_gc)
     p.add_argument("--older-than", type=float, default=DEFAULT_GC_AGE, metavar="SECONDS",
                    help=f"only payloads older than this (default {DEFAULT_GC_AGE:.0f})")
-    p = command("verify", "check that every checkpoint of the run can be restored; "
-                "exit 1 with a line per problem", cmd_verify)
+    p = command("verify", "check that every checkpoint and output of the run can be "
+                "restored; exit 1 with a line per problem", cmd_verify)
     p.add_argument("--read-data", action="store_true",
-                   help="also rebuild every checkpoint along its delta chain and check its id")
+                   help="also rebuild every checkpoint along its delta chain and check its id, "
+                   "and read every output and check its size and SHA-256")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p = cmds.add_parser("keygen", help="make an Ed25519 key pair for signed log objects")
     p.add_argument("directory", type=Path, help="where NAME.key (0600) and NAME.pub go")

@@ -9,7 +9,10 @@ file changing under the read) is said on stderr and tried again at the next
 look. When the run has finished — the process ``--pid`` exited, the file
 ``--done-file`` appeared, or nothing new came for ``--idle`` seconds — it
 waits for the commits and, with ``--consolidate``, consolidates: on the
-cluster, or on an embedded cluster started only then.
+cluster, or on an embedded cluster started only then. With ``--from-store``
+the consolidation reads the run from the log, not from the directory, so
+that workers with no view of this node's files can do it: the output is
+published in the store (``runs/RUN/outputs/MODEL.h5``, or ``--to``).
 """
 
 from __future__ import annotations
@@ -131,14 +134,22 @@ def watch(args: argparse.Namespace) -> int:
 
 def consolidate(args: argparse.Namespace, model: str, out_dir: Path, on_cluster: bool) -> None:
     """Consolidate the finished run: on the cluster, or on an embedded one started now."""
-    from chkq.workers.client import run_consolidation, submit_consolidation
+    from chkq.workers.client import (
+        run_consolidation,
+        submit_consolidation,
+        submit_store_consolidation,
+    )
 
+    source = args.store if args.from_store else None
     if on_cluster and not args.wait:
-        print(f"consolidation {submit_consolidation(model, out_dir, args.cleanup).id}",
-              flush=True)
+        job = (submit_store_consolidation(model, args.store, run=args.run, to=args.to,
+                                          cleanup=args.cleanup) if source
+               else submit_consolidation(model, out_dir, args.cleanup))
+        print(f"consolidation {job.id}", flush=True)
         return
     summary = run_consolidation(
-        model, out_dir, args.cleanup, workers=args.workers,
+        model, out_dir, args.cleanup, workers=args.workers, source=source,
+        run=args.run if source else None, to=args.to,
         on_submitted=lambda job: print(f"consolidation {job.id}", flush=True),
         on_notice=warn)
     for message in summary.warnings:
@@ -157,8 +168,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--run", required=True, help="the run's id in the log")
     p.add_argument("--consolidate", action="store_true",
                    help="enqueue the consolidation when the run has finished")
+    p.add_argument("--from-store", action="store_true",
+                   help="with --consolidate: consolidate the run from the log in the store, "
+                        "for workers that do not see this directory; the output is published "
+                        "at the log's runs/RUN/outputs/MODEL.h5 (or --to)")
+    p.add_argument("--to", metavar="URL",
+                   help="with --from-store: the object to publish the output at")
     p.add_argument("--cleanup", action="store_true",
-                   help="with --consolidate: delete the checkpoints once consolidated")
+                   help="with --consolidate: delete the checkpoints once consolidated (with "
+                        "--from-store: the run's names of them in the log, never a payload)")
     p.add_argument("--wait", action="store_true",
                    help="with --consolidate on a cluster: wait for the consolidation")
     p.add_argument("--pid", type=int, help="the run has finished when this process exits")

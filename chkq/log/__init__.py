@@ -3,15 +3,15 @@
 One run's checkpoints live under ``runs/<run>/`` in a store; each is
 identified by the SHA-256 of its bytes.  The package is cut by job:
 
-- :mod:`chkq.log.records`: the stored objects (records, name entries), their
-  format versions and the validation of everything read back;
+- :mod:`chkq.log.records`: the stored objects (records, name entries, output
+  entries), their format versions and the validation of everything read back;
 - :mod:`chkq.log.keys`: a run's key layout and the one parser of its keys;
 - :mod:`chkq.log.checkpoint_log`: :class:`CheckpointLog`, commit and load;
 - :mod:`chkq.log.gc`: garbage collection, with its argument that no
   interleaving with commits deletes a recorded payload;
 - :mod:`chkq.log.verify`: the read-only check of a whole run;
-- :mod:`chkq.log.signing`: signed records and name entries (Ed25519) for
-  stores shared with others.
+- :mod:`chkq.log.signing`: signed records, name entries and output entries
+  (Ed25519) for stores shared with others.
 
 Committing files and restoring runs (name handling, writing files without
 following links) is :mod:`chkq.log.transfer`.
@@ -24,6 +24,8 @@ from chkq.log.records import (
     RECORD_FORMAT,
     CheckpointRecord,
     NameEntry,
+    OutputEntry,
+    check_output_model,
     check_relative_name,
     checkpoint_id,
     default_writer,
@@ -46,8 +48,10 @@ __all__ = [
     "CheckpointRecord",
     "LogTrust",
     "NameEntry",
+    "OutputEntry",
     "ProgressCallback",
     "VerifyReport",
+    "check_output_model",
     "check_relative_name",
     "checkpoint_id",
     "default_writer",

@@ -66,10 +66,25 @@ log2(depth) decodes per load and store deltas spanning up to 2^k steps.
 
 A bounded LRU cache of verified checkpoint bytes makes committing N+1 right
 after N (or loading a recent ancestor) free of store reads.
+
+Outputs
+-------
+A model's checkpoints consolidated into one HDF5 file are history too: the
+file is published create-if-absent (by default at ``outputs/<MODEL>.h5``)
+and then recorded by :meth:`CheckpointLog.record_output` in an output entry,
+``outputs/<MODEL>.json``, written once like every other object of the log
+and signed like name entries.  One entry per model: recording another output
+of a model that has one is refused, recording the same one again (a
+redelivered task) returns the entry already there.  Outputs are read as
+untrusted too (:meth:`CheckpointLog.output`), and their bytes only in pieces
+checked against the entry's size and SHA-256 (:meth:`CheckpointLog.read_output`).
+gc never touches ``outputs/``, and an output does not keep any payload alive:
+the checkpoints it was made from are governed by their records alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import stat
@@ -84,6 +99,9 @@ from chkq.errors import (
     CheckpointCorruptionError,
     CheckpointNotFoundError,
     LogKeyError,
+    OutputCorruptionError,
+    OutputEntryError,
+    OutputExistsError,
     SymlinkInStoreError,
     UnknownParentError,
 )
@@ -94,8 +112,10 @@ from chkq.log.keys import RunKeys
 from chkq.log.records import (
     MAX_CHECKPOINT_ENV,
     MAX_OBJECT_BYTES,
+    MAX_OUTPUT_ENTRY_BYTES,
     CheckpointRecord,
     NameEntry,
+    OutputEntry,
     check_relative_name,
     checkpoint_id,
     choose_entries,
@@ -115,6 +135,8 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_CACHE_BYTES = 512 * MiB
+OUTPUT_PIECE_BYTES = 8 * MiB
+"""Bytes of an output object read per request by :meth:`CheckpointLog.read_output`."""
 DEFAULT_GC_AGE = 24 * 3600.0
 """Default age (s) below which ``gc`` leaves unreferenced payloads alone."""
 
@@ -205,6 +227,14 @@ class CheckpointLog:
     def trash_key(self, payload_key: str) -> str:
         """Where gc keeps a payload it is removing until the removal is settled."""
         return self.keys.trash(payload_key)
+
+    def output_entry_key(self, model: str) -> str:
+        """Store key of the entry recording ``model``'s consolidated output."""
+        return self.keys.output_entry(model)
+
+    def output_key(self, model: str) -> str:
+        """Default store key of ``model``'s consolidated output object."""
+        return self.keys.output(model)
 
     def _list(self, prefix: str) -> list[str]:
         """The store's keys under ``prefix``; a link in the way is noted in
@@ -407,6 +437,212 @@ class CheckpointLog:
                 by_name.setdefault(entry.name, []).append(entry)
         chosen, self.conflicts = choose_entries(by_name, decided=self.trust.enforcing)
         return dict(sorted(chosen.items()))
+
+    # outputs ------------------------------------------------------------
+
+    def _parse_output(self, key: str, raw: bytes) -> OutputEntry:
+        """The output entry ``raw`` read from ``key``, checked as untrusted content.
+
+        Raises
+        ------
+        OutputEntryError
+            Naming ``key``: malformed, refused for its signature, or filed
+            under another model's key.
+        """
+        try:
+            entry = OutputEntry.from_json(raw)
+        except (ValueError, TypeError) as exc:
+            raise self._output_error(key, f"malformed output entry: {exc}") from None
+        refused = self._refusal(raw, "output")
+        if refused is not None:
+            raise self._output_error(key, f"output entry refused: {refused}")
+        if key != self.keys.output_entry(entry.model):
+            raise self._output_error(key, f"malformed output entry: it records model "
+                                     f"{entry.model!r}, whose entry is not this key")
+        return entry
+
+    def _output_error(self, key: str, why: str) -> OutputEntryError:
+        error = OutputEntryError(f"run {self.run_id!r} in {self.store.url}: {key}: {why}")
+        error.key = key  # type: ignore[attr-defined]
+        error.why = why  # type: ignore[attr-defined]
+        return error
+
+    def _read_output(self, key: str) -> OutputEntry | None:
+        """The entry at ``key`` (None if there is none); OutputEntryError if it is unusable."""
+        try:
+            raw = self.store.get_at_most(key, MAX_OUTPUT_ENTRY_BYTES)
+        except KeyError:
+            return None
+        except SymlinkInStoreError as exc:
+            raise self._output_error(key, f"not read: {exc}") from None
+        if len(raw) > MAX_OUTPUT_ENTRY_BYTES:
+            raise self._output_error(key, f"malformed output entry: larger than "
+                                     f"{MAX_OUTPUT_ENTRY_BYTES} bytes")
+        return self._parse_output(key, raw)
+
+    def output(self, model: str) -> OutputEntry | None:
+        """The recorded consolidated output of ``model``, or None if there is none.
+
+        Raises
+        ------
+        OutputEntryError
+            If the entry at the model's key is malformed or (with trusted
+            log keys) not signed by a trusted writer; the message names the key.
+        BadNameError
+            If ``model`` cannot name an output.
+        """
+        return self._read_output(self.keys.output_entry(model))
+
+    def outputs(self) -> list[OutputEntry]:
+        """Every readable output entry of the run, by model.
+
+        Unusable entries are left out and noted in :attr:`malformed`, like
+        malformed records and name entries.
+        """
+        prefix = self.keys.group("outputs")
+        for key in list(self.malformed):
+            if key.startswith(prefix) and key != prefix:
+                del self.malformed[key]
+        found = []
+        for key in self._list(prefix):
+            if self.keys.output_entry_model(key) is None:
+                continue
+            try:
+                entry = self._read_output(key)
+            except OutputEntryError as exc:
+                self.malformed[key] = str(getattr(exc, "why", exc))
+                continue
+            if entry is not None:
+                found.append(entry)
+        return sorted(found, key=lambda e: e.model)
+
+    def record_output(self, entry: OutputEntry) -> OutputEntry:
+        """Record a published consolidated output, create-if-absent; return the stored entry.
+
+        The output object must already be in the store at ``entry.key`` with
+        ``entry.size`` bytes (its SHA-256 is the caller's word: it hashed the
+        bytes it published), and every checkpoint it names must be one of
+        the run's.  ``created`` and ``writer`` are filled in when unset.
+
+        Returns
+        -------
+        OutputEntry
+            The entry written, or the one already recorded if it records the
+            same output (:meth:`OutputEntry.same_output`: a redelivered or
+            repeated record), whoever wrote it.
+
+        Raises
+        ------
+        OutputExistsError
+            If the model already has an entry recording another output, or an
+            unusable one; the message names the entry's key and the recorded
+            output's key. Nothing is replaced.
+        OutputCorruptionError
+            If the output object is missing or not ``entry.size`` bytes.
+        UnknownParentError
+            If a checkpoint the entry names is not in the run.
+        LogKeyError
+            If trusted log keys are configured but no signing key.
+        """
+        if self.trust.enforcing and self.trust.signer is None:
+            raise LogKeyError(
+                "trusted log keys are configured (CHKQ_LOG_TRUSTED_KEYS) but no signing key "
+                "(CHKQ_LOG_SIGNING_KEY): the output entry would be refused by every reader; "
+                f"not recording the output of model {entry.model!r} in run {self.run_id!r}")
+        final = replace(entry, created=entry.created or time.time(),
+                        writer=entry.writer or default_writer())
+        key = self.keys.output_entry(final.model)
+        raw = self._signed(final.to_json(), "output")
+        if len(raw) > MAX_OUTPUT_ENTRY_BYTES:
+            raise ValueError(f"output entry of model {final.model!r} would be {len(raw)} bytes, "
+                             f"above the {MAX_OUTPUT_ENTRY_BYTES} a reader takes")
+        known = set(self.ids())
+        unknown = [c for c in dict.fromkeys(final.checkpoints) if c not in known]
+        if unknown:
+            raise UnknownParentError(
+                f"output of model {final.model!r} names {len(unknown)} checkpoint(s) that are "
+                f"not in run {self.run_id!r} (first: {unknown[0]}); not recorded")
+        try:
+            size = self.store.size(final.key)
+        except KeyError:
+            raise OutputCorruptionError(
+                f"output object {final.key} of model {final.model!r} is not in "
+                f"{self.store.url}; publish it before recording it") from None
+        if size != final.size:
+            raise OutputCorruptionError(
+                f"output object {final.key} of model {final.model!r} is {size} bytes, not the "
+                f"{final.size} its entry would say; not recorded")
+        for _ in range(3):
+            if self.store.put_if_absent(key, raw):
+                return final
+            try:
+                existing = self._read_output(key)
+            except OutputEntryError as exc:
+                raise OutputExistsError(
+                    f"output entry {key} exists but cannot be used "
+                    f"({getattr(exc, 'why', exc)}); not replaced: remove it to record the "
+                    f"output {final.key} of model {final.model!r}") from None
+            if existing is None:
+                continue
+            if existing.same_output(final):
+                return existing
+            raise OutputExistsError(
+                f"output entry {key} already records another output of model "
+                f"{final.model!r}: {existing.key} ({existing.size} bytes, sha256 "
+                f"{existing.sha256[:16]}, job {existing.job or '?'}); not replaced, so "
+                f"{final.key} is not recorded")
+        raise OutputExistsError(f"output entry {key} keeps vanishing while it is recorded")
+
+    def read_output(self, entry: OutputEntry, piece: int = OUTPUT_PIECE_BYTES
+                    ) -> Iterator[bytes]:
+        """The bytes of a recorded output object, in pieces of at most ``piece`` bytes.
+
+        Each piece is one ranged read (:meth:`CheckpointStore.get_range`), so
+        memory holds one piece whatever the file's size.  The whole object is
+        checked against the entry — no more and no fewer than ``entry.size``
+        bytes, and their SHA-256 — only when the last piece has been read:
+        what a consumer got is verified only once the iterator finishes
+        without an error.
+
+        Raises
+        ------
+        OutputCorruptionError
+            If the object is missing, shorter or longer than its entry says,
+            or its SHA-256 is not the entry's; the message names its key.
+        """
+        if piece <= 0:
+            raise ValueError(f"piece must be positive, got {piece}")
+
+        def bad(why: str) -> OutputCorruptionError:
+            error = OutputCorruptionError(
+                f"output of model {entry.model!r} of run {self.run_id!r} in "
+                f"{self.store.url}: {entry.key}: {why}")
+            error.key = entry.key  # type: ignore[attr-defined]
+            error.why = why  # type: ignore[attr-defined]
+            return error
+
+        digest = hashlib.sha256()
+        done = 0
+        try:
+            while done < entry.size:
+                block = self.store.get_range(entry.key, done, min(piece, entry.size - done))
+                if not block:
+                    raise bad(f"object is {done} bytes, its entry says {entry.size}")
+                digest.update(block)
+                done += len(block)
+                yield block
+            if self.store.get_range(entry.key, entry.size, 1):
+                raise bad(f"object is larger than the {entry.size} bytes its entry says")
+        except KeyError:
+            raise bad("output object missing") from None
+        if digest.hexdigest() != entry.sha256:
+            raise bad(f"object's SHA-256 {digest.hexdigest()[:16]}... is not its entry's "
+                      f"{entry.sha256[:16]}... (changed or damaged since it was recorded)")
+
+    def outputs_of(self, checkpoint: str) -> list[tuple[OutputEntry, int]]:
+        """The outputs made from ``checkpoint``, each with its first position in the entry."""
+        return [(entry, entry.checkpoints.index(checkpoint)) for entry in self.outputs()
+                if checkpoint in entry.checkpoints]
 
     def lineage(self, checkpoint: str) -> list[CheckpointRecord]:
         """Records from the root ancestor down to ``checkpoint`` (parent links)."""

@@ -22,6 +22,12 @@ by the next one.  Head copies of checkpoints that have children
 (left by a writer that died before removing them) or no record are
 deleted too; they are caches, not history.
 
+Consolidated outputs and their entries (``outputs/``) are history that no
+record refers to: gc never lists, reads or deletes anything there, however
+old, recorded or not.  Nor does an output keep anything else alive: the
+payloads and head copies of the checkpoints it was made from are kept or
+removed by the rules above alone.
+
 Why no interleaving loses data, in short: gc deletes a payload only after
 having seen, *after* its delete, that no record names it; a committer that
 reused a payload checks, *after* writing its record, that the payload is

@@ -8,8 +8,11 @@ Layout of one run (``<id>`` is the SHA-256 of a checkpoint's bytes)::
     runs/<run>/heads/<id>.zst                  full copy of a delta checkpoint that is a head
     runs/<run>/names/<digest>.json             a name entry: file name -> checkpoint id
     runs/<run>/trash/<payload file name>       a payload gc moved aside
+    runs/<run>/outputs/<MODEL>.json            an output entry: a consolidated file of MODEL
+    runs/<run>/outputs/<MODEL>.h5              that file, where consolidation publishes it
+                                               by default (an entry may name another key)
 
-Every key is derived from content (ids, kinds, bases, entry digests), so
+Every key is derived from content (ids, kinds, bases, entry digests, models), so
 racing writers of the same thing write the same key.  Keys read back from a
 listing are store content: :meth:`RunKeys.parse` is the only place they are
 taken apart.
@@ -19,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chkq.log.records import is_id
+from chkq.log.records import check_output_model, is_id
 
 __all__ = ["GROUPS", "ParsedKey", "RunKeys"]
 
-GROUPS = ("records", "payloads", "heads", "names", "trash")
-"""The top-level folders of a run; anything else under it is an orphan."""
+GROUPS = ("records", "payloads", "heads", "names", "trash", "outputs")
+"""The top-level folders of a run; anything else under it is an orphan.  Nothing under
+``outputs/`` is ever an orphan, and gc never deletes anything there."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,14 @@ class RunKeys:
         """Key of the name entry with content digest ``digest``."""
         return f"{self.root}names/{digest}.json"
 
+    def output_entry(self, model: str) -> str:
+        """Key of the entry recording the consolidated output of ``model``."""
+        return f"{self.root}outputs/{check_output_model(model)}.json"
+
+    def output(self, model: str) -> str:
+        """Default key of the consolidated output object of ``model``."""
+        return f"{self.root}outputs/{check_output_model(model)}.h5"
+
     def trash(self, payload_key: str) -> str:
         """Where gc keeps a payload it is removing until the removal is settled."""
         return f"{self.root}trash/{self.parse(payload_key).name}"
@@ -108,6 +120,18 @@ class RunKeys:
                 and parsed.name == f"{parsed.checkpoint}.json":
             return parsed.checkpoint
         return None
+
+    def output_entry_model(self, key: str) -> str | None:
+        """The model if ``key`` is exactly an output entry's key, else None."""
+        parsed = self.parse(key)
+        if parsed.group != "outputs" or parsed.nested or not parsed.name.endswith(".json"):
+            return None
+        model = parsed.name[: -len(".json")]
+        try:
+            check_output_model(model)
+        except ValueError:
+            return None
+        return model
 
     def head_copy_id(self, key: str) -> str | None:
         """The checkpoint id if ``key`` is exactly a head copy's key, else None."""

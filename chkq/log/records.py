@@ -17,6 +17,14 @@ the same bytes under two names are two entries and a restore brings back
 both.  Format-1 records that name a file are still read, as entries of
 their own (:attr:`NameEntry.legacy`); objects of a format above
 :data:`LOG_FORMAT` are reported as malformed rather than guessed at.
+
+Output entries
+--------------
+An :class:`OutputEntry` records one consolidated output of a model of the
+run: the store key of the published HDF5 file, its size and SHA-256, and the
+checkpoints (with their file names) it was made from, in run order.  It is
+kept at ``outputs/<MODEL>.json``, written once, and read back as untrusted
+like every other object here.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 30
 """Largest checkpoint a log commits or reads unless ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` says."""
 MAX_OBJECT_BYTES = 1 << 20
 """Largest record or name entry read (they are a few hundred bytes)."""
+MAX_OUTPUT_ENTRY_BYTES = 16 << 20
+"""Largest output entry written or read (about 150 bytes per checkpoint it was made from)."""
 NAME_MAX_BYTES = 255
 PATH_MAX_BYTES = 4095
 
@@ -132,7 +142,8 @@ def check_relative_name(name: str) -> str:
     return name
 
 
-def _json_object(raw: str | bytes, what: str, fields: Any, required: Any) -> dict[str, Any]:
+def _json_object(raw: str | bytes, what: str, fields: Any, required: Any,
+                 limit: int = MAX_OBJECT_BYTES) -> dict[str, Any]:
     """Parse a stored record or entry: a JSON object of a known format with typed fields.
 
     Raises
@@ -140,8 +151,8 @@ def _json_object(raw: str | bytes, what: str, fields: Any, required: Any) -> dic
     ValueError
         Saying what is wrong.
     """
-    if len(raw) > MAX_OBJECT_BYTES:
-        raise ValueError(f"{what} of {len(raw)} bytes is larger than {MAX_OBJECT_BYTES}")
+    if len(raw) > limit:
+        raise ValueError(f"{what} of {len(raw)} bytes is larger than {limit}")
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -378,6 +389,187 @@ class NameEntry:
         if self.model is not None:
             return self.model == model
         return model_of_name(self.name) == model
+
+
+_BAD_MODEL = re.compile(r"[/\\\x00]")
+
+
+def check_output_model(model: object) -> str:
+    """Return ``model`` if it can name a run's output: one file name, as consolidation takes.
+
+    The model becomes a key component (``outputs/<MODEL>.json``) and a file
+    name (``<MODEL>.h5`` in a restore directory).
+
+    Raises
+    ------
+    BadNameError
+        If it is not a string, is empty, contains ``/``, a backslash, NUL or
+        ``..``, starts with ``.``, or holds a character a file name cannot.
+    """
+    if not isinstance(model, str) or not model:
+        raise BadNameError(f"invalid model name {model!r}: it must be a non-empty file name")
+    if _BAD_MODEL.search(model) or ".." in model or model.startswith(".") \
+            or not model.isprintable():
+        raise BadNameError(f"invalid model name {model!r}: it must not contain '/', '\\', "
+                           "'..', NUL or control characters, or start with '.'")
+    try:
+        encoded = f"{model}.json".encode()
+    except UnicodeEncodeError:
+        raise BadNameError(f"invalid model name {model!r}: not encodable") from None
+    if len(encoded) > NAME_MAX_BYTES:
+        raise BadNameError(f"invalid model name {model[:80]!r}...: longer than a file name")
+    return model
+
+
+def output_key_problem(key: object) -> str | None:
+    """Why ``key`` cannot be an output object's store key, or None if it can.
+
+    An output may lie anywhere in the store except where a run's log keeps
+    something else: below ``runs/<run>/`` only directly in ``outputs/``,
+    and never at a name ending in ``.json`` there (the entries' names), so
+    that neither gc nor verify of any run takes it for one of its objects.
+    """
+    if not isinstance(key, str):
+        return "not a string"
+    try:
+        validate_key(key)
+    except InvalidKeyError as exc:
+        return str(exc)
+    if not key.isprintable():
+        return "it holds control characters"
+    parts = key.split("/")
+    if parts[0] == "runs" and len(parts) >= 3:
+        if parts[2] != "outputs" or len(parts) != 4:
+            return (f"it lies in group {parts[2]!r} of run {parts[1]!r}, where outputs do "
+                    "not belong (only directly under runs/<run>/outputs/)")
+        if key.endswith(".json"):
+            return "it has the name of an output entry (.json)"
+    return None
+
+
+_OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
+    "model": (str,), "key": (str,), "size": (int,), "sha256": (str,),
+    "checkpoints": (list,), "names": (list,), "created": (int, float),
+    "writer": (str, _NONE), "job": (str, _NONE), "format": (int,),
+}
+_OUTPUT_REQUIRED = frozenset({"model", "key", "size", "sha256", "checkpoints", "names"})
+
+
+@dataclass(frozen=True)
+class OutputEntry:
+    """One consolidated output of a run: which file, and what it was made from.
+
+    Written once at ``runs/<run>/outputs/<MODEL>.json`` (see
+    :meth:`CheckpointLog.record_output`) after the output object itself was
+    published create-if-absent, so an entry never names an object that was
+    not there when it was written.  Every value is checked when an entry is
+    made, so one that exists is well formed.
+
+    Attributes
+    ----------
+    model
+        The model whose checkpoints were consolidated (one file name).
+    key
+        Store key of the output object (by default ``runs/<run>/outputs/<MODEL>.h5``).
+    size, sha256
+        Bytes and hex SHA-256 of the output object.
+    checkpoints
+        Ids of the checkpoints it was made from, in run order (an id can
+        recur: two files of the run may have the same bytes).
+    names
+        The run's file names of those checkpoints, in the same order.
+    created
+        POSIX time of the record, as its writer says.
+    writer
+        Who recorded it (``host:pid`` by default).
+    job
+        Id of the consolidation job that made it.
+    """
+
+    model: str
+    key: str
+    size: int
+    sha256: str
+    checkpoints: tuple[str, ...]
+    names: tuple[str, ...]
+    created: float = 0.0
+    writer: str | None = None
+    job: str | None = None
+
+    def __post_init__(self) -> None:
+        check_output_model(self.model)
+        problem = output_key_problem(self.key)
+        if problem is not None:
+            raise ValueError(f"output key {self.key!r} cannot be used: {problem}")
+        if type(self.size) is not int or self.size < 0:
+            raise ValueError(f"output size {self.size!r} is not a number of bytes")
+        if not is_id(self.sha256):
+            raise ValueError(f"output sha256 {self.sha256!r} is not 64 lowercase hex digits")
+        checkpoints, names = tuple(self.checkpoints), tuple(self.names)
+        object.__setattr__(self, "checkpoints", checkpoints)
+        object.__setattr__(self, "names", names)
+        if not checkpoints:
+            raise ValueError("an output is made from at least one checkpoint")
+        if not all(is_id(c) for c in checkpoints):
+            raise ValueError("output names a checkpoint id that is not 64 lowercase hex digits")
+        if len(names) != len(checkpoints):
+            raise ValueError(f"output has {len(names)} names for {len(checkpoints)} "
+                             "checkpoints")
+        for name in names:
+            check_relative_name(name)
+        if len(set(names)) != len(names):
+            raise ValueError("output names a file of the run twice")
+        if isinstance(self.created, bool) or not isinstance(self.created, (int, float)):
+            raise ValueError(f"output created {self.created!r} is not a time")
+        for what in ("writer", "job"):
+            value = getattr(self, what)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"output {what} {value!r} is not a string")
+
+    def identity(self) -> dict[str, Any]:
+        """What makes two records of an output the same output.
+
+        Who recorded it, when, and in which job are left out: a redelivered
+        or repeated consolidation that published the same bytes from the
+        same checkpoints records the same output.
+        """
+        return {"model": self.model, "key": self.key, "size": self.size,
+                "sha256": self.sha256, "checkpoints": list(self.checkpoints),
+                "names": list(self.names)}
+
+    def same_output(self, other: OutputEntry) -> bool:
+        """Whether ``other`` records the same output (see :meth:`identity`)."""
+        return self.identity() == other.identity()
+
+    def to_json(self) -> bytes:
+        """Serialise as JSON (checkpoint and name lists included)."""
+        obj = {"format": LOG_FORMAT, **asdict(self)}
+        obj["checkpoints"], obj["names"] = list(self.checkpoints), list(self.names)
+        return (json.dumps(obj, indent=1) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> OutputEntry:
+        """Parse and validate :meth:`to_json` output (unknown fields are ignored).
+
+        Raises
+        ------
+        ValueError
+            If the text is not a valid output entry; the message says what is wrong.
+        """
+        obj = _json_object(raw, "output entry", _OUTPUT_FIELDS, _OUTPUT_REQUIRED,
+                           limit=MAX_OUTPUT_ENTRY_BYTES)
+        for name in ("checkpoints", "names"):
+            if not all(isinstance(item, str) for item in obj[name]):
+                raise ValueError(f"field {name!r} holds something that is not a string")
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+    def line(self) -> str:
+        """One line for people: model, key, size, SHA-256 prefix, checkpoints, job."""
+        return printable(
+            f"output {self.model} key={self.key} size={self.size} sha256={self.sha256[:16]} "
+            f"checkpoints={len(self.checkpoints)} created={format_created(self.created)} "
+            f"job={self.job or ''}")
 
 
 def model_of_name(name: str) -> str | None:

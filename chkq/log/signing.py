@@ -1,15 +1,17 @@
-"""Signed log objects: who may write the records and name entries a reader acts on.
+"""Signed log objects: who may write the records and entries a reader acts on.
 
 Whoever can write to a store (another tenant of a shared bucket, another user
 with write access to a shared directory) can plant a well-formed record,
 payload and name entry.  Content is checked against its SHA-256 id on every
 load, but *which* checkpoint a name stands for, and how large it says it is,
-come from the record and the entry.  With signing, each record and name entry
-carries an Ed25519 signature by a writer key, and a reader configured with
-trusted public keys refuses (reports, never uses) any object that is
-unsigned, signed by a key it does not trust, or whose signature does not
-match.  Payloads and head copies need no signature: a signed record names
-their content (id, declared size), and both are checked against it.
+come from the record and the entry (and which file is a model's consolidated
+output, from its output entry).  With signing, each record, name entry and
+output entry carries an Ed25519 signature by a writer key, and a reader
+configured with trusted public keys refuses (reports, never uses) any object
+that is unsigned, signed by a key it does not trust, or whose signature does
+not match.  Payloads, head copies and output objects need no signature: a
+signed record names their content (id, declared size), a signed output entry
+its object's size and SHA-256, and each is checked against it.
 
 What is signed is the object's canonical JSON (sorted keys, no whitespace,
 ``signature`` left out) together with the kind of object and the run id, so

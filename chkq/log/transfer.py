@@ -17,6 +17,12 @@ replacing a file; ``pull --force`` renames over it), which acts on the name
 itself.  They are never more readable than the files committed: a restored
 file gets the permission bits its name entry kept (``0600`` for entries
 that kept none), without setuid, setgid or sticky bits.
+
+A run's consolidated outputs come back with :func:`restore_outputs`, as
+``<MODEL>.h5``: streamed from the store in ranged pieces into the temporary
+(memory holds one piece), checked against the output entry's size and
+SHA-256, and linked into place only if they match, so a damaged object
+leaves no file.
 """
 
 from __future__ import annotations
@@ -41,20 +47,25 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     CheckpointNotFoundError,
     FileChangedError,
     NothingToRestoreError,
+    OutputCorruptionError,
+    OutputEntryError,
     OutputExistsError,
     ParentNotCommittedError,
     SourceNotFoundError,
 )
-from chkq.fsutil import install
+from chkq.fsutil import install, write_temp
 from chkq.log import (
     CheckpointLog,
     CheckpointRecord,
     NameEntry,
+    OutputEntry,
+    check_output_model,
     check_relative_name,
     checkpoint_id,
     format_created,
     model_of_name,
 )
+from chkq.log.checkpoint_log import OUTPUT_PIECE_BYTES
 from chkq.rundir import DIRECTORY, READ_NONBLOCK
 
 __all__ = [
@@ -67,6 +78,7 @@ __all__ = [
     "pull_mode",
     "read_stable",
     "resolve_id",
+    "restore_outputs",
     "restore_run",
     "single_head",
     "write_output",
@@ -540,3 +552,86 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
     result.written.append(target)
     result.bytes_written += len(data)
     return target
+
+
+def restore_outputs(
+    log: CheckpointLog,
+    out_dir: str | Path,
+    model: str | None = None,
+    *,
+    on_file: Callable[[Path], None] | None = None,
+    piece: int = OUTPUT_PIECE_BYTES,
+) -> RestoreResult:
+    """Write the run's recorded consolidated outputs (``model``'s only) to ``out_dir/<MODEL>.h5``.
+
+    Each output object is read in ranged pieces of ``piece`` bytes
+    (:meth:`CheckpointLog.read_output`) straight into a temporary next to its
+    target and linked into place only once its size and SHA-256 are its
+    entry's: an object that is missing, changed or damaged leaves no file and
+    is reported in ``failed``, as is an output entry that cannot be used.
+    A file already at the target with the entry's bytes is kept; any other
+    file, or a link, is never replaced. Files are created ``0600``.
+
+    Raises
+    ------
+    NothingToRestoreError
+        If the run has no recorded output (of ``model``); nothing is written.
+    OutputEntryError
+        If ``model``'s entry is malformed or refused for its signature.
+    """
+    if model is not None:
+        found = log.output(check_output_model(model))
+        entries = [] if found is None else [found]
+    else:
+        entries = log.outputs()
+    result = RestoreResult(Path(out_dir).absolute(), malformed=dict(log.malformed))
+    prefix = log.keys.group("outputs")
+    result.failed.extend((key, why) for key, why in sorted(log.malformed.items())
+                         if key.startswith(prefix))
+    if not entries and not result.failed:
+        which = f" of model {model!r}" if model is not None else ""
+        models = ", ".join(e.model for e in log.outputs()) if model is not None else ""
+        raise NothingToRestoreError(
+            f"run {log.run_id!r} has no recorded output{which}"
+            + (f" (its outputs: {models})" if models else ""))
+    result.out_dir.mkdir(parents=True, exist_ok=True)
+    root_fd = os.open(result.out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for entry in entries:
+            name = f"{entry.model}.h5"
+            target = result.out_dir / name
+            try:
+                written = _put_output(log, root_fd, name, str(target), entry, piece)
+            except (OutputCorruptionError, OutputEntryError, OSError) as exc:
+                result.failed.append((name, str(exc)))
+                continue
+            if written:
+                result.written.append(target)
+                result.bytes_written += entry.size
+            else:
+                result.kept.append(target)
+            if on_file is not None:
+                on_file(target)
+    finally:
+        os.close(root_fd)
+    return result
+
+
+def _put_output(log: CheckpointLog, dir_fd: int, name: str, shown: str, entry: OutputEntry,
+                piece: int) -> bool:
+    """Stream ``entry``'s object to ``name`` in ``dir_fd``, verified; False if already there."""
+    if _digest_at(dir_fd, name, shown) == entry.sha256:
+        return False
+    temp = write_temp(dir_fd, log.read_output(entry, piece), 0o600)
+    try:
+        os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    except FileExistsError:
+        if _digest_at(dir_fd, name, shown) == entry.sha256:
+            return False
+        raise OutputExistsError(f"{shown!r} exists with other content; not overwritten"
+                                ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+    os.fsync(dir_fd)
+    return True

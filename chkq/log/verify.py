@@ -5,12 +5,18 @@ with trusted keys, signed) and its payload exists; every parent and delta base
 is recorded with a consistent depth; every head copy decodes, block by block
 and bounded by its record's size, to its record's id; every name entry is well
 formed and names a recorded checkpoint, and no name's entries disagree (a
-conflict, when no trusted key decides). With ``read_data`` every checkpoint is
-rebuilt from its keyframe along its delta chain — never from a head copy or
-the cache, since a load prefers the head copy and would hide damage to the
-chain — each payload read once, depth first, so that memory holds one chain.
+conflict, when no trusted key decides); every output entry is well formed (and
+signed), names checkpoints of the run under the names their name entries give,
+and its output object exists with the entry's size. With ``read_data`` every
+output object is also read, in pieces, and checked against its entry's
+SHA-256, and every checkpoint is rebuilt from its keyframe along its delta
+chain — never from a head copy or the cache, since a load prefers the head
+copy and would hide damage to the chain — each payload read once, depth
+first, so that memory holds one chain.
 Keys nothing refers to are orphans, not problems: crashed writers leave them
-and gc removes them.
+and gc removes them.  Nothing under ``outputs/`` is an orphan: an object there
+that no entry records (its publisher died before recording it, or it is being
+recorded) is listed as an unrecorded output, which gc never removes.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import CheckpointCorruptionError, OutputCorruptionError, OutputEntryError
 from chkq.log import delta as codec
 from chkq.log.keys import GROUPS
 from chkq.log.records import (
     CheckpointRecord,
     NameEntry,
+    OutputEntry,
     choose_entries,
     corruption_reason,
     format_created,
@@ -52,12 +59,20 @@ class VerifyReport:
         checked and payload objects present.
     decoded, decoded_bytes
         Checkpoints rebuilt and verified (``read_data``), and their bytes.
+    outputs, outputs_read, output_bytes
+        Readable output entries, output objects read whole and checked
+        against their entry's SHA-256 (``read_data``), and their bytes.
     problems
         ``(key, why)`` for everything wrong: a missing or undecodable
         payload, a head copy that does not decode to its record's id, a
-        malformed record or entry, a dangling reference.
+        malformed record or entry, a dangling reference, an output object
+        missing or not what its entry says.
     orphans
         Keys nothing refers to (left by crashed writers; ``gc`` removes them).
+    unrecorded_outputs
+        Keys under ``outputs/`` that are neither an output entry nor an
+        object one records (a publisher died before recording it); neither
+        problems nor orphans: gc leaves them.
     """
 
     store: str
@@ -69,8 +84,12 @@ class VerifyReport:
     payloads: int = 0
     decoded: int = 0
     decoded_bytes: int = 0
+    outputs: int = 0
+    outputs_read: int = 0
+    output_bytes: int = 0
     problems: list[tuple[str, str]] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    unrecorded_outputs: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -95,12 +114,15 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
 
     Checks that every record is well formed and its payload exists,
     that every delta's base and every parent has a record, that every
-    head copy decodes to its record's id, and that every name entry is
-    well formed and names a recorded checkpoint.  With ``read_data``,
-    every checkpoint is also rebuilt along its delta chain — never from
-    a head copy or the cache, so damage a head copy hides is found — and
-    checked against its id.  Keys nothing refers to are listed as
-    orphans (not problems: crashed writers leave them, ``gc`` removes them).
+    head copy decodes to its record's id, that every name entry is
+    well formed and names a recorded checkpoint, and that every output
+    entry is well formed, names recorded checkpoints under their names and
+    has its object, of its size.  With ``read_data``, every checkpoint is
+    also rebuilt along its delta chain — never from a head copy or the
+    cache, so damage a head copy hides is found — and checked against its
+    id, and every output object is read and checked against its SHA-256.
+    Keys nothing refers to are listed as orphans (not problems: crashed
+    writers leave them, ``gc`` removes them).
 
     Parameters
     ----------
@@ -119,7 +141,7 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
     for group in sorted(set(groups) - set(GROUPS)):
         report.orphans.extend(groups[group])
     report.orphans.extend(groups.get("trash", []))
-    for group in ("records", "payloads", "heads", "names"):
+    for group in ("records", "payloads", "heads", "names", "outputs"):
         if group not in groups:
             prefix = log.keys.group(group)
             log._list(prefix)
@@ -224,10 +246,70 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
                              f"conflict: name {name!r} has entries for different "
                              f"checkpoints: {ids}; restore refuses it"))
 
+    pairs = {(e.name, e.id) for found in read_entries.values() for e in found}
+    pairs.update((r.meta["name"], r.id) for r in records.values()
+                 if r.format < 2 and isinstance(r.meta.get("name"), str))
+    _verify_outputs(log, groups.get("outputs", []), set(records) | bad_ids, pairs, report,
+                    read_data=read_data, tick=tick)
     if read_data:
         _verify_chains(log, records, missing, report, tick)
     report.orphans.sort()
     return report
+
+
+def _verify_outputs(log: CheckpointLog, keys: list[str], recorded: set[str],
+                    pairs: set[tuple[str, str]], report: VerifyReport, *, read_data: bool,
+                    tick: Callable[[str, int, int], None]) -> None:
+    """Check every output entry, and its object (read whole with ``read_data``)."""
+    entries: list[tuple[str, OutputEntry]] = []
+    for key in keys:
+        if log.keys.output_entry_model(key) is None:
+            continue
+        try:
+            entry = log._read_output(key)
+        except OutputEntryError as exc:
+            report.problems.append((key, str(getattr(exc, "why", exc))))
+            continue
+        if entry is not None:
+            entries.append((key, entry))
+    report.outputs = len(entries)
+    named = {entry.key for _, entry in entries}
+    report.unrecorded_outputs.extend(
+        k for k in keys if log.keys.output_entry_model(k) is None and k not in named)
+    for done, (key, entry) in enumerate(entries, 1):
+        for checkpoint, name in zip(entry.checkpoints, entry.names, strict=True):
+            if checkpoint not in recorded:
+                report.problems.append((key, f"output of model {entry.model!r} was made "
+                                        f"from checkpoint {checkpoint}, which has no record"))
+            elif (name, checkpoint) not in pairs:
+                report.problems.append((key, f"output of model {entry.model!r} says file "
+                                        f"{name!r} is checkpoint {checkpoint}, but no name "
+                                        "entry of the run says so"))
+        why = _check_output_object(log, entry, read_data=read_data, report=report)
+        if why is not None:
+            report.problems.append((entry.key, why))
+        tick("outputs", done, len(entries))
+
+
+def _check_output_object(log: CheckpointLog, entry: OutputEntry, *, read_data: bool,
+                         report: VerifyReport) -> str | None:
+    """Why the output object is not what its entry says, or None (counted in ``report``)."""
+    if not read_data:
+        try:
+            size = log.store.size(entry.key)
+        except KeyError:
+            return f"output object of model {entry.model!r} missing"
+        if size != entry.size:
+            return (f"output object of model {entry.model!r} is {size} bytes, its entry "
+                    f"says {entry.size}")
+        return None
+    try:
+        read = sum(len(block) for block in log.read_output(entry))
+    except OutputCorruptionError as exc:
+        return str(getattr(exc, "why", exc))
+    report.outputs_read += 1
+    report.output_bytes += read
+    return None
 
 
 def _check_head_copy(log: CheckpointLog, key: str, record: CheckpointRecord) -> str | None:

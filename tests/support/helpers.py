@@ -199,3 +199,30 @@ def modules_loaded_by(imports: list[str], watched: list[str]) -> list[str]:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return list(json.loads(done.stdout))
+
+
+def assert_same_hdf5(left: Path, right: Path) -> None:
+    """Two HDF5 files hold the same objects: names, kinds, attributes, types, layouts, values.
+
+    Compared through h5py's high-level API, object by object, so that two
+    files written at different times (or in different places) are equal
+    when everything a reader of them can see is.
+    """
+    with h5py.File(left, "r") as a, h5py.File(right, "r") as b:
+        assert attrs_of(a) == attrs_of(b), "root attributes"
+        names_a: list[str] = []
+        a.visit(names_a.append)
+        names_b: list[str] = []
+        b.visit(names_b.append)
+        assert names_a == names_b
+        for name in names_a:
+            x, y = a[name], b[name]
+            assert type(x) is type(y), name
+            assert attrs_of(x) == attrs_of(y), name
+            if isinstance(x, h5py.Group):
+                continue
+            assert type_signature(x.id.get_type()) == type_signature(y.id.get_type()), name
+            for prop in ("shape", "maxshape", "chunks", "compression", "compression_opts",
+                         "shuffle", "fletcher32"):
+                assert getattr(x, prop) == getattr(y, prop), (name, prop)
+            assert _bytes(x[()]) == _bytes(y[()]), name

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,13 +43,14 @@ class WorkerProcess:
     """A ``chkq worker`` process serving some queues; stop it or kill it."""
 
     def __init__(self, broker_url: str, queues: str, concurrency: int, log_dir: Path,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = f"test-{uuid.uuid4().hex[:8]}@localhost"
-        self.log_path = log_dir / f"{self.name}.log"
+                 env: dict[str, str] | None = None, name: str | None = None,
+                 **popen: Any) -> None:
+        self.name = name or f"test-{uuid.uuid4().hex[:8]}@localhost"
+        self.log_path = log_dir / f"{self.name}-{uuid.uuid4().hex[:4]}.log"
         with open(self.log_path, "wb") as log:
             self.process = launch_worker(
                 self.name, log=log, env=worker_environment(broker_url, extra=env),
-                concurrency=concurrency, queues=queues, peers=True)
+                concurrency=concurrency, queues=queues, peers=True, **popen)
         self.wait_ready()
 
     def wait_ready(self, timeout: float = 30.0) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -79,13 +80,17 @@ class Cluster:
         return self
 
     def add_workers(self, count: int, queues: str = "control,copy,verify", concurrency: int = 1,
-                    env: dict[str, str] | None = None) -> list[WorkerProcess]:
-        """Start ``count`` workers at once (each waits until it answers ping)."""
+                    env: dict[str, str] | None = None, **popen: Any) -> list[WorkerProcess]:
+        """Start ``count`` workers at once (each waits until it answers ping).
+
+        ``popen`` goes to each worker's :class:`subprocess.Popen` (``user``, say), and a
+        ``name`` to the worker (then ``count`` must be 1).
+        """
         environment = {**FAULT_LIMITS, **(env or {})}
         with ThreadPoolExecutor(count) as pool:
             started = list(pool.map(
                 lambda _: WorkerProcess(self.redis.url, queues, concurrency, self.log_dir,
-                                        environment), range(count)))
+                                        environment, **popen), range(count)))
         self.workers += started
         return started
 

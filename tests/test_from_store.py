@@ -1,0 +1,145 @@
+"""Consolidation of runs kept only in an object store: real workers, real stores.
+
+The workers here see no run directory: each has its own scratch directory,
+and ``CHKQ_ALLOWED_ROOTS`` names only that, the directory of the local
+stores, and the directory where the reference outputs (the same runs
+consolidated from a directory) are made.
+Stores are a local directory (``file://``), moto's S3 server over HTTP and
+fake-gcs-server.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chkq.demo import RunShape, make_run
+from chkq.stores import CheckpointStore, open_store
+from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from support.helpers import assert_same_hdf5
+from support.plugins.cluster import WorkerProcess
+from support.plugins.object_stores import BUCKET
+
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The workers' scratch directory, the reference runs' directory, the file store's."""
+    root = tmp_path_factory.mktemp("from-store")
+    found = {name: root / name for name in ("scratch", "reference", "stores")}
+    for path in found.values():
+        path.mkdir(mode=0o700)
+    return found
+
+
+@pytest.fixture(scope="module")
+def store_worker(redis_server: object, s3_endpoint: str, gcs_endpoint: str,
+                 places: dict[str, Path]) -> Iterator[WorkerProcess]:
+    """Two worker processes that can reach the stores but no submitter's run directory."""
+    url = redis_server.url  # type: ignore[attr-defined]
+    process = WorkerProcess(url, "control,copy,verify,commit", 2, places["scratch"], env={
+        "CHKQ_SCRATCH_DIR": str(places["scratch"] / "work"),
+        "CHKQ_ALLOWED_ROOTS": f"{places['scratch']}:{places['reference']}:{places['stores']}"})
+    yield process
+    process.stop()
+
+
+def store_url(kind: str, places: dict[str, Path]) -> str:
+    """A fresh, empty place in a store of ``kind``, as a URL ending in ``/``."""
+    name = uuid.uuid4().hex[:12]
+    if kind == "file":
+        return (places["stores"] / name).as_uri() + "/"
+    return f"{'s3' if kind == 's3' else 'gs'}://{BUCKET}/{name}/"
+
+
+def upload_run(files: list[Path], run_dir: Path, store: CheckpointStore) -> list[str]:
+    """Put each file of a run at its name relative to the run directory; return the keys."""
+    keys = []
+    for path in files:
+        key = str(path.relative_to(run_dir))
+        store.put(key, path.read_bytes())
+        keys.append(key)
+    return keys
+
+
+def reference_output(files: list[Path], run_dir: Path, places: dict[str, Path],
+                     model: str) -> Path:
+    """The same run consolidated from a directory, as chkq always did."""
+    directory = places["reference"] / uuid.uuid4().hex[:12]
+    directory.mkdir()
+    for path in files:
+        target = directory / path.relative_to(run_dir)
+        target.parent.mkdir(exist_ok=True)
+        shutil.copy2(path, target)
+    output = submit_consolidation(model, directory).wait_for_output(timeout=TIMEOUT)
+    assert isinstance(output, Path)
+    return output
+
+
+def fetched(store: CheckpointStore, key: str, into: Path) -> Path:
+    path = into / Path(key).name
+    path.write_bytes(store.get(key))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["file", "s3", "gcs"])
+@pytest.mark.parametrize("writers", [0, 3])
+def test_plain_objects_consolidate_to_the_same_output_as_a_directory(
+        kind: str, writers: int, store_worker: WorkerProcess, places: dict[str, Path],
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", RunShape(checkpoints=3, writers=writers, trials=400))
+    url = store_url(kind, places)
+    store = open_store(url)
+    keys = upload_run(files, run_dir, store)
+
+    job = submit_store_consolidation("sim", url)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+
+    assert summary.output == url + "sim.h5"
+    assert store.list() == sorted([*keys, "sim.h5"])
+    output = fetched(store, "sim.h5", tmp_path)
+    assert summary.bytes == output.stat().st_size
+    assert_same_hdf5(output, reference_output(files, run_dir, places, "sim"))
+    assert list((places["scratch"] / "work").iterdir()) == [], "workspace left behind"
+
+
+def test_existing_destination_is_refused_before_anything_is_sent(
+        store_worker: WorkerProcess, places: dict[str, Path], tmp_path: Path) -> None:
+    files = make_run(tmp_path / "run", "sim", RunShape(checkpoints=2, trials=100))
+    url = store_url("file", places)
+    store = open_store(url)
+    upload_run(files, tmp_path / "run", store)
+    store.put("sim.h5", b"someone else's")
+    with pytest.raises(FileExistsError, match="sim.h5 exists"):
+        submit_store_consolidation("sim", url)
+    assert store.get("sim.h5") == b"someone else's"
+
+
+def test_cleanup_deletes_the_sources_once_published(
+        store_worker: WorkerProcess, places: dict[str, Path], tmp_path: Path) -> None:
+    files = make_run(tmp_path / "run", "sim", RunShape(checkpoints=2, writers=2, trials=100))
+    url = store_url("s3", places)
+    store = open_store(url)
+    upload_run(files, tmp_path / "run", store)
+    store.put("notes.txt", b"kept")
+    output = submit_store_consolidation("sim", url, to=url + "out/sim.h5",
+                                        cleanup=True).wait_for_output(timeout=TIMEOUT)
+    assert output == url + "out/sim.h5"
+    assert store.list() == ["notes.txt", "out/sim.h5"]
+
+
+def test_a_local_store_outside_the_allowed_roots_is_refused_untouched(
+        store_worker: WorkerProcess, places: dict[str, Path], tmp_path: Path) -> None:
+    files = make_run(tmp_path / "run", "sim", RunShape(checkpoints=2, trials=100))
+    url = (tmp_path / "elsewhere").as_uri() + "/"
+    store = open_store(url)
+    keys = upload_run(files, tmp_path / "run", store)
+    with pytest.raises(PermissionError, match="outside the directories this worker may touch"):
+        submit_store_consolidation("sim", url).wait_for_output(timeout=TIMEOUT)
+    assert store.list() == keys

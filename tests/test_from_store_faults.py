@@ -1,0 +1,198 @@
+"""Store jobs with the parties real: a worker of another user, killed processes, rival writers.
+
+Each test has a cluster of its own (a private redis-server and workers with
+short time limits), so that no other worker of the session can take its
+tasks, and a run that exists only in the store (and in a directory its
+workers cannot read).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from chkq.demo import RunShape, make_run
+from chkq.stores import CheckpointStore, open_store
+from chkq.tasks.protocol import task_id
+from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from support.helpers import assert_same_hdf5, wait_for
+from support.plugins.faults import SLOW_RUN, Cluster
+from support.plugins.object_stores import BUCKET
+from support.plugins.users import LocalUser
+
+TIMEOUT = 180
+
+
+def s3_place() -> str:
+    return f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/"
+
+
+def upload(files: list[Path], run_dir: Path, store: CheckpointStore) -> dict[str, bytes]:
+    """Put a run's files at their names in ``store``; return every object's bytes."""
+    objects = {}
+    for path in files:
+        key = str(path.relative_to(run_dir))
+        objects[key] = path.read_bytes()
+        store.put(key, objects[key])
+    return objects
+
+
+def reference(cluster: Cluster, files: list[Path], run_dir: Path, tmp_path: Path) -> Path:
+    """The run consolidated from a directory by a worker that can read it."""
+    cluster.add_workers(1, "control,copy,verify", concurrency=2)
+    directory = tmp_path / "reference"
+    shutil.copytree(run_dir, directory)
+    output = submit_consolidation("sim", directory).wait_for_output(timeout=TIMEOUT)
+    assert isinstance(output, Path)
+    return output
+
+
+def store_env(scratch: Path) -> dict[str, str]:
+    return {"CHKQ_SCRATCH_DIR": str(scratch), "CHKQ_ALLOWED_ROOTS": str(scratch)}
+
+
+def no_strays(store: CheckpointStore) -> None:
+    assert store.stray_uploads() == [], "an upload was left unfinished"
+
+
+def test_a_worker_of_another_user_consolidates_a_run_it_cannot_read(
+        make_cluster: Callable[..., Cluster], local_users: tuple[LocalUser, LocalUser],
+        s3_endpoint: str, tmp_path: Path) -> None:
+    scientist, service = local_users
+    run_dir = scientist.mkdir(f"run-{uuid.uuid4().hex[:8]}")
+    files = make_run(run_dir, "sim", RunShape(checkpoints=3, writers=2, trials=300))
+    scientist.chown_tree(run_dir)
+    scratch = service.mkdir(f"scratch-{uuid.uuid4().hex[:8]}")
+    probe = service.python(f"import os; os.listdir({str(run_dir)!r})")
+    assert probe.returncode != 0 and b"PermissionError" in probe.stderr
+    url = s3_place()
+    store = open_store(url)
+    objects = upload(files, run_dir, store)
+
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2,
+                                    env={**store_env(scratch / "work"), "HOME": str(service.home)},
+                                    user=service.uid, group=service.gid, extra_groups=[])
+    summary = submit_store_consolidation("sim", url).wait_for_summary(timeout=TIMEOUT)
+    assert summary.output == url + "sim.h5"
+    assert f"task=chkq.link job={summary.job}" in worker.log()
+    worker.stop()
+
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert {k: store.get(k) for k in objects} == objects
+    assert list((scratch / "work").iterdir()) == []
+    no_strays(store)
+
+
+def test_a_copy_process_killed_mid_task_runs_again_on_the_jobs_worker(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", SLOW_RUN)
+    url = s3_place()
+    store = open_store(url)
+    objects = upload(files, run_dir, store)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2,
+                                    env=store_env(tmp_path / "scratch"))
+    job = submit_store_consolidation("sim", url)
+    copy0 = task_id(job.id, "copy", 0)
+    _, pid = wait_for(lambda: cluster.running(copy0), timeout=60, what="copy 0 running")
+    os.kill(pid, signal.SIGKILL)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+    assert cluster.deliveries(job, "copy", 0) >= 2
+    worker.stop()
+
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get(summary.output.removeprefix(url)))  # type: ignore[union-attr]
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert {k: store.get(k) for k in objects} == objects
+    no_strays(store)
+
+
+def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", SLOW_RUN)
+    url = s3_place()
+    store = open_store(url)
+    upload(files, run_dir, store)
+    cluster = make_cluster()
+    env = store_env(tmp_path / "scratch")
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env)
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: cluster.running(task_id(job.id, "copy", 0)), timeout=60,
+             what="copy 0 running")
+    worker.kill()
+    (again,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env,
+                                   name=worker.name)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+    assert f"job={job.id}" in again.log()
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    again.stop()
+    assert summary.output == url + "sim.h5"
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert list((tmp_path / "scratch").iterdir()) == []
+    no_strays(store)
+
+
+def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", SLOW_RUN)
+    url = s3_place()
+    store = open_store(url)
+    objects = upload(files, run_dir, store)
+    cluster = make_cluster()
+    cluster.add_workers(1, "control,copy,verify", concurrency=2,
+                        env=store_env(tmp_path / "scratch"))
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: cluster.running(task_id(job.id, "copy", 0)), timeout=60,
+             what="copy 0 running")
+    store.put("sim.h5", b"theirs")
+    with pytest.raises(FileExistsError, match="sim.h5"):
+        job.wait_for_output(timeout=TIMEOUT)
+    assert store.get("sim.h5") == b"theirs"
+    assert {k: store.get(k) for k in objects} == objects
+    assert wait_for(lambda: list((tmp_path / "scratch").iterdir()) == [], timeout=30,
+                    what="workspace removed")
+    no_strays(store)
+
+
+def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", RunShape(checkpoints=3, trials=200))
+    url = s3_place()
+    store = open_store(url)
+    upload(files, run_dir, store)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control", concurrency=1,
+                                    env=store_env(tmp_path / "scratch"))
+    # Only the control queue is served, and the fetches go to the worker's own queue,
+    # which it serves too: stop that one until the source is replaced.
+    node_queue = f"chkq.node.{worker.name}"
+    from support.plugins.cluster import consumers_paused
+
+    with consumers_paused(worker, node_queue):
+        job = submit_store_consolidation("sim", url)
+        wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+                 what="the job staged")
+        time.sleep(0.5)
+        replaced = files[1].read_bytes()[:-1] + b"\0"
+        store.put("sim_chk00002.h5", replaced)
+    with pytest.raises(Exception, match=r"sim_chk00002\.h5") as failed:
+        job.wait_for_output(timeout=TIMEOUT)
+    assert url in str(failed.value) or "sim_chk00002.h5" in str(failed.value)
+    assert not store.exists("sim.h5")
+    assert store.get("sim_chk00002.h5") == replaced
+    no_strays(store)
