@@ -270,10 +270,17 @@ def test_a_gap_is_refused_unless_accepted(
     put("run_chk00001.h5", (original / "run_chk00001.h5").read_bytes())
     put("run_chk00003.h5", (original / "run_chk00003.h5").read_bytes())
     with pytest.raises(CheckpointGapError, match=f"00002 of model 'run' are missing in '{url}'"):
-        find_store_run(url, "run")
+        find_store_run(url, "run", allow_gaps=False)
     found = find_store_run(url, "run", allow_gaps=True)
     assert found.names == ["run_chk00001.h5", "run_chk00003.h5"]
     assert "consolidated without them" in found.warnings[0]
+    left = find_store_run(url, "run")
+    assert left.names == found.names and left.warnings == ()
+    into = tmp_path / "fetched"
+    into.mkdir()
+    fetch_objects(left, left.names, into)
+    with pytest.raises(CheckpointGapError, match="00002"):
+        find_run(into, "run")
 
 
 @pytest.mark.parametrize("url", ["s3://no-such-bucket-chkq/run/", "gs://no-such-bucket-chkq/run/"])
@@ -385,6 +392,35 @@ def test_a_fetch_never_overwrites_nor_follows_a_link(tmp_path: Path) -> None:
     with pytest.raises(OutputExistsError, match="thread_0001.h5"):
         fetch_objects(found, found.names, into)
     assert (into / "run_chk00001" / "thread_0001.h5").read_bytes() == b"mine"
+    same_size = flipped((original / "run_chk00001" / "thread_0001.h5").read_bytes())
+    (into / "run_chk00001" / "thread_0001.h5").write_bytes(same_size)
+    with pytest.raises(OutputExistsError, match="thread_0001.h5"):
+        fetch_objects(found, found.names, into)
+    assert (into / "run_chk00001" / "thread_0001.h5").read_bytes() == same_size
+    assert sorted(tree(into)) == ["run_chk00001/thread_0001.h5"]
+
+
+@pytest.mark.parametrize("log_run", [False, True])
+def test_a_fetch_delivered_again_keeps_what_is_there(log_run: bool, tmp_path: Path,
+                                                      s3_endpoint: str) -> None:
+    url, store, put = make_source_s3(tmp_path)
+    original = tmp_path / "original"
+    make_run(original, "run", SHAPES["threads"])
+    if log_run:
+        commit_run(CheckpointLog(store, "r1"), original)
+    else:
+        upload_run(original, put)
+    found = find_store_run(url, "run", run="r1" if log_run else None)
+    into = tmp_path / "fetched"
+    into.mkdir()
+    first = found.names[:2]
+    assert fetch_objects(found, first, into) == sum((original / n).stat().st_size
+                                                   for n in first)
+    before = {n: (into / n).stat().st_ino for n in first}
+    rest = sum((original / n).stat().st_size for n in found.names[2:])
+    assert fetch_objects(found, found.names, into) == rest
+    assert {n: (into / n).stat().st_ino for n in first} == before, "kept, not rewritten"
+    assert tree(into) == {n: (original / n).read_bytes() for n in found.names}
 
 
 def test_a_name_not_of_the_run_is_refused(tmp_path: Path) -> None:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import secrets
+import stat
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +53,7 @@ from chkq.errors import (
 )
 from chkq.log import CheckpointLog, NameEntry, check_relative_name
 from chkq.log.keys import RunKeys
-from chkq.rundir import CREATE, DIRECTORY
+from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 from chkq.stores.base import CheckpointStore, ObjectVersion, bucket_prefix, validate_key
 from chkq.stores.url import parse_store_url
 
@@ -185,7 +187,7 @@ def _refuse_unholdable(run: StoreRun, name: str) -> None:
             f"{exc}") from None
 
 
-def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool,
+def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool | None,
             folders: frozenset[int] = frozenset()) -> StoreRun:
     """The run with the objects of ``found`` that discovery would take, checked as find_run.
 
@@ -193,7 +195,7 @@ def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool,
     has a directory where a key has its name and a ``/`` after it). A file
     checkpoint wins over a directory of the same number; a checkpoint
     directory with no ``.h5`` file, no checkpoint at all, or a gap in the
-    numbers (unless ``allow_gaps``) is refused naming the store.
+    numbers (if ``allow_gaps`` is False) is refused naming the store.
     """
     pattern = checkpoint_pattern(run.model)
     files: dict[int, SourceObject] = {}
@@ -232,7 +234,7 @@ def _select(run: StoreRun, found: dict[str, SourceObject], *, allow_gaps: bool,
     warnings = list(run.warnings)
     missing = missing_numbers([Checkpoint(n, Path(f"{run.model}_chk{n:05d}"), ())
                                for n in numbers])
-    if missing:
+    if missing and allow_gaps is not None:
         shown = ", ".join(f"{n:05d}" for n in missing[:20])
         if len(missing) > 20:
             shown += f" and {len(missing) - 20} more"
@@ -255,7 +257,7 @@ def _open_store(url: str) -> CheckpointStore:
 
 
 def find_store_run(source: str, model: str, run: str | None = None, *,
-                   allow_gaps: bool = False) -> StoreRun:
+                   allow_gaps: bool | None = None) -> StoreRun:
     """List and pin the checkpoints of ``model`` in the store at ``source``.
 
     Parameters
@@ -269,8 +271,11 @@ def find_store_run(source: str, model: str, run: str | None = None, *,
         files of ``model`` (:meth:`chkq.log.CheckpointLog.files`) are the
         checkpoints; without, the objects directly under the URL's prefix.
     allow_gaps
-        Accept checkpoint numbers missing between the first and the last
-        (said in :attr:`StoreRun.warnings`).
+        Numbers missing between the first checkpoint and the last: False
+        refuses them here, naming the store, before anything is fetched;
+        True accepts them (said in :attr:`StoreRun.warnings`); None leaves
+        them to ``find_run`` on the fetched directory, which the consolidation
+        runs with its own ``allow_gaps``.
 
     Raises
     ------
@@ -283,7 +288,7 @@ def find_store_run(source: str, model: str, run: str | None = None, *,
         whose name no run directory can hold, a symbolic link in a
         ``file://`` run, or log names whose entries conflict; naming them.
     CheckpointGapError
-        For a gap in the numbers, unless ``allow_gaps``.
+        For a gap in the numbers, if ``allow_gaps`` is False.
     """
     check_model_name(model)
     if run is not None:
@@ -336,7 +341,8 @@ def _local_objects(store: CheckpointStore, root: Path, model: str
     return found, frozenset(folders)
 
 
-def _find_log_run(source: str, model: str, run_id: str, *, allow_gaps: bool) -> StoreRun:
+def _find_log_run(source: str, model: str, run_id: str, *, allow_gaps: bool | None
+                  ) -> StoreRun:
     store = _open_store(source)
     log = CheckpointLog(store, run_id, cache_bytes=0)
     records = log.manifest()
@@ -461,14 +467,16 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path) -> int:
     read pinned to the version listed (:meth:`CheckpointStore.get_range_pinned`);
     a log entry's checkpoint is loaded whole (at most
     ``CHKQ_LOG_MAX_CHECKPOINT_BYTES``) and verified by its SHA-256. A file is
-    made with mode 0600, or its log entry's mode. If any file fails, the
+    made with mode 0600, or its log entry's mode. A file already in place
+    with exactly the pinned bytes is kept (a fetch delivered again after it
+    was killed); anything else there is refused. If any file fails, the
     files and directories this call made are removed again: ``into`` is left
     as it was.
 
     Returns
     -------
     int
-        Bytes written.
+        Bytes written (not counting files kept).
 
     Raises
     ------
@@ -477,7 +485,8 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path) -> int:
     CheckpointCorruptionError
         If a log checkpoint's stored bytes do not rebuild it, naming it.
     OutputExistsError
-        If a file of that name is in ``into`` already (it is never overwritten).
+        If something other than the pinned bytes is at a file's name in
+        ``into`` (it is never overwritten, nor a link followed).
     BadNameError
         If a name is not one of the run's files.
     """
@@ -517,8 +526,8 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
     parts = obj.name.split("/")
     target = root.joinpath(*parts)
     with _parent_dir(root_fd, root, parts, made) as dir_fd:
-        if os.path.lexists(target):
-            raise OutputExistsError(f"{str(target)!r} exists; a fetch never overwrites")
+        if _already_there(store, log, run, obj, dir_fd, target):
+            return 0
         temp, fd = _new_temp(dir_fd, obj.mode)
         try:
             try:
@@ -543,6 +552,53 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
     return obj.size
 
 
+def _already_there(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
+                   obj: SourceObject, dir_fd: int, target: Path) -> bool:
+    """Whether ``target`` holds exactly the object's pinned bytes (a fetch delivered again).
+
+    False if nothing is there. A log entry's file is compared by SHA-256, a
+    plain object's with its pinned bytes, read again.
+
+    Raises
+    ------
+    OutputExistsError
+        If something else is there: other bytes, a link, not a regular file.
+    """
+    refusal = OutputExistsError(
+        f"{str(target)!r} exists and is not {run.url_of(obj.name)!r} as pinned; a fetch "
+        "never overwrites")
+    try:
+        fd = os.open(target.name, READ_NONBLOCK, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise refusal from None
+        raise
+    with os.fdopen(fd, "rb") as fh:
+        found = os.fstat(fh.fileno())
+        if not stat.S_ISREG(found.st_mode) or found.st_size != obj.size:
+            raise refusal
+        if log is not None:
+            digest = hashlib.sha256()
+            while block := fh.read(FETCH_BYTES):
+                digest.update(block)
+            if digest.hexdigest() != obj.version:
+                raise refusal
+            return True
+        pinned = ObjectVersion(obj.size, obj.version)
+        offset = 0
+        while offset < obj.size:
+            piece = store.get_range_pinned(obj.key, pinned, offset,
+                                           min(FETCH_BYTES, obj.size - offset))
+            if not piece:
+                raise _changed(run, obj.name)
+            if fh.read(len(piece)) != piece:
+                raise refusal
+            offset += len(piece)
+    return True
+
+
 # --------------------------------------------------------------------------- after the job
 
 
@@ -554,7 +610,7 @@ def default_output_key(run: StoreRun) -> str:
     """
     if run.run_id is None:
         return f"{run.prefix}{run.model}.h5"
-    return f"{RunKeys(run.run_id).group('outputs')}{run.model}.h5"
+    return RunKeys(run.run_id).output(run.model)
 
 
 def delete_sources(run: StoreRun) -> list[str]:
