@@ -103,7 +103,7 @@ class StoreJob:
         run = self.run
         return {"source": run.source, "store": run.store_url, "prefix": run.prefix,
                 "run": run.run_id, "model": run.model,
-                "objects": [[o.name, o.key, o.size, o.version] for o in run.objects],
+                "objects": [[o.name, o.key, o.size, o.version, o.mode] for o in run.objects],
                 "destination": list(self.destination), "queue": self.queue,
                 "workspace": self.workspace, "cleanup": self.cleanup}
 
@@ -111,8 +111,8 @@ class StoreJob:
     def from_record(cls, record: dict[str, Any], job: str) -> StoreJob:
         """The store job a record describes (its own, sealed), every field's type checked."""
         try:
-            objects = tuple(SourceObject(str(n), str(k), int(s), str(v))
-                            for n, k, s, v in record["objects"])
+            objects = tuple(SourceObject(str(n), str(k), int(s), str(v), int(m))
+                            for n, k, s, v, m in record["objects"])
             run = StoreRun(source=str(record["source"]), store_url=str(record["store"]),
                            prefix=str(record["prefix"]),
                            run_id=None if record["run"] is None else str(record["run"]),

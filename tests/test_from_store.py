@@ -10,7 +10,10 @@ fake-gcs-server.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
+from chkq.log import CheckpointLog
 from chkq.stores import CheckpointStore, open_store
 from chkq.workers.client import submit_consolidation, submit_store_consolidation
 from support.helpers import assert_same_hdf5
@@ -143,3 +147,73 @@ def test_a_local_store_outside_the_allowed_roots_is_refused_untouched(
     with pytest.raises(PermissionError, match="outside the directories this worker may touch"):
         submit_store_consolidation("sim", url).wait_for_output(timeout=TIMEOUT)
     assert store.list() == keys
+
+
+def commit_run(files: list[Path], run_dir: Path, url: str, run: str) -> list[str]:
+    """Commit a run's files to a checkpoint log under their names; return the ids."""
+    log = CheckpointLog(open_store(url), run)
+    ids, parents = [], {}
+    for path in files:
+        name = str(path.relative_to(run_dir))
+        writer = path.name
+        parents[writer] = log.commit(path.read_bytes(), parents.get(writer), name=name,
+                                     model="sim")
+        ids.append(parents[writer])
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["file", "gcs"])
+def test_a_log_run_is_consolidated_recorded_and_found_the_second_time(
+        kind: str, store_worker: WorkerProcess, places: dict[str, Path],
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", RunShape(checkpoints=3, writers=2, trials=300,
+                                               compression="gzip"))
+    url = store_url(kind, places)
+    ids = commit_run(files, run_dir, url, "r1")
+
+    summary = submit_store_consolidation("sim", url, run="r1").wait_for_summary(
+        timeout=TIMEOUT)
+
+    store = open_store(url)
+    key = "runs/r1/outputs/sim.h5"
+    assert summary.output == url + key
+    entry = CheckpointLog(store, "r1").output("sim")
+    assert entry is not None and entry.key == key and list(entry.checkpoints) == ids
+    data = store.get(key)
+    assert entry.size == len(data) and entry.sha256 == hashlib.sha256(data).hexdigest()
+    output = tmp_path / "sim.h5"
+    output.write_bytes(data)
+    assert_same_hdf5(output, reference_output(files, run_dir, places, "sim"))
+
+    verify = chkq_command("log", "verify", url, "r1", "--read-data")
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    back = tmp_path / "back"
+    restore = chkq_command("log", "restore", url, "r1", str(back), "sim", "--outputs")
+    assert restore.returncode == 0, restore.stderr
+    assert (back / "sim.h5").read_bytes() == data
+
+    with pytest.raises(FileExistsError, match="already consolidated"):
+        submit_store_consolidation("sim", url, run="r1")
+    assert store.get(key) == data
+
+
+def chkq_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args],
+                          capture_output=True, text=True, timeout=TIMEOUT)
+
+
+def test_the_command_line_consolidates_from_a_store_and_prints_the_url(
+        store_worker: WorkerProcess, places: dict[str, Path], tmp_path: Path) -> None:
+    files = make_run(tmp_path / "run", "sim", RunShape(checkpoints=2, writers=2, trials=100))
+    url = store_url("s3", places)
+    upload_run(files, tmp_path / "run", open_store(url))
+    done = chkq_command("consolidate", "sim", "--from", url, "--to", url + "final/sim.h5")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == url + "final/sim.h5\n"
+    missing = chkq_command("consolidate", "nosuch", "--from", url)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: ") and url in missing.stderr
+    assert "nosuch" in missing.stderr
+    usage = chkq_command("consolidate", "sim", "--to", url + "x.h5")
+    assert usage.returncode == 2 and "--to needs --from" in usage.stderr

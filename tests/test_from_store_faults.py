@@ -188,7 +188,8 @@ def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
         wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
                  what="the job staged")
         time.sleep(0.5)
-        replaced = files[1].read_bytes()[:-1] + b"\0"
+        original = files[1].read_bytes()
+        replaced = original[:-1] + bytes([original[-1] ^ 0xFF])
         store.put("sim_chk00002.h5", replaced)
     with pytest.raises(Exception, match=r"sim_chk00002\.h5") as failed:
         job.wait_for_output(timeout=TIMEOUT)

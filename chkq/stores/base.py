@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointStore",
     "InvalidKeyError",
     "ObjectChecksums",
+    "ObjectVersion",
     "PartsUpload",
     "StoreNotFoundError",
     "StrayUpload",
@@ -299,6 +300,21 @@ def retry_transient(
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class ObjectVersion:
+    """What pins one stored object: its size and the store's name for this version of it.
+
+    ``version`` changes whenever the object is written again: an S3 ETag, a
+    GCS generation, a local file's inode and modification time in
+    nanoseconds; stores with none of these use the size and modification
+    time. Reads pinned to a version (:meth:`CheckpointStore.get_range_pinned`)
+    give bytes of that version only.
+    """
+
+    size: int
+    version: str
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return " ".join(text.split())
@@ -404,6 +420,70 @@ class CheckpointStore(ABC):
 
     def _size(self, key: str) -> int:
         return len(self._get(key))
+
+    def version(self, key: str) -> ObjectVersion:
+        """Return the size and version of the object under ``key``.
+
+        Raises
+        ------
+        KeyError
+            If there is no such object.
+        """
+        return self._version(validate_key(key))
+
+    def _version(self, key: str) -> ObjectVersion:
+        size = self._size(key)
+        return ObjectVersion(size, f"size-mtime:{size}:{self._modified(key)!r}")
+
+    def versions(self, prefix: str = "") -> dict[str, ObjectVersion]:
+        """Every key starting with ``prefix`` with its size and version, in key order.
+
+        S3 and GCS take both from the listing itself; the default asks for
+        each key's. A key that vanishes while listed is left out.
+        """
+        found = self._versions(validate_prefix(prefix))
+        return dict(sorted(found.items()))
+
+    def _versions(self, prefix: str) -> dict[str, ObjectVersion]:
+        found = {}
+        for key in self._list(prefix):
+            try:
+                found[key] = self.version(key)
+            except (KeyError, InvalidKeyError):
+                continue
+        return found
+
+    def get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                         length: int) -> bytes | None:
+        """``length`` bytes from ``start`` of the object under ``key`` if it is still ``pinned``.
+
+        For reading one object in ranges with every range from the same
+        version: S3 sends ``If-Match`` with the ETag, GCS reads that
+        generation, a local store checks the open file's inode and
+        modification time before and after reading; the default reads and
+        then compares the version. A range from ``pinned.size`` on is
+        ``b""`` only if the object is still that version, so one such read
+        after the others tells that the object did not change meanwhile.
+
+        Returns
+        -------
+        bytes or None
+            The version's bytes (fewer where the object ends), or None if
+            the object is gone or is no longer that version (a GCS bucket
+            that keeps old generations may still give the pinned one's bytes).
+        """
+        if start < 0 or length < 0:
+            raise ValueError(f"start and length must be >= 0, got {start} and {length}")
+        return self._get_range_pinned(validate_key(key), pinned, start, length)
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        try:
+            data = self._get_range(key, start, length)
+            current = self._version(key)
+        except KeyError:
+            return None
+        return data if current == pinned else None
 
     def upload(self, key: str, *, part_size: int | None = None,
                checksum: bool = False) -> PartsUpload:

@@ -23,6 +23,7 @@ from typing import Literal, TypeVar
 from chkq.stores.base import (
     CheckpointStore,
     ObjectChecksums,
+    ObjectVersion,
     PartsUpload,
     StrayUpload,
     TransientStoreError,
@@ -33,12 +34,13 @@ __all__ = ["OPERATIONS", "FaultyStore", "Rule"]
 T = TypeVar("T")
 
 OPERATIONS = frozenset({"put", "put_if_absent", "get", "get_at_most", "exists", "list",
-                        "delete", "modified", "available", "checksums",
+                        "delete", "modified", "available", "version", "versions",
+                        "get_range_pinned", "checksums",
                         "upload", "upload_write", "upload_complete", "upload_abort",
                         "stray_uploads", "abort_upload"})
-"""Names of the operations a rule can match (``list`` and ``stray_uploads`` match on
-their prefix). An upload from parts goes to the inner store's own :meth:`upload`:
-``upload`` starts it, each write or copy is an ``upload_write``, then
+"""Names of the operations a rule can match (``list``, ``versions`` and ``stray_uploads``
+match on their prefix). An upload from parts goes to the inner store's own
+:meth:`upload`: ``upload`` starts it, each write or copy is an ``upload_write``, then
 ``upload_complete`` or ``upload_abort``, all matched on the upload's key."""
 
 Action = Literal["fail", "lose", "delay", "call"]
@@ -220,6 +222,17 @@ class FaultyStore(CheckpointStore):
 
     def _modified(self, key: str) -> float:
         return self._run("modified", key, lambda: self.inner.modified(key))
+
+    def _version(self, key: str) -> ObjectVersion:
+        return self._run("version", key, lambda: self.inner.version(key))
+
+    def _versions(self, prefix: str) -> dict[str, ObjectVersion]:
+        return self._run("versions", prefix, lambda: self.inner.versions(prefix))
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        return self._run("get_range_pinned", key,
+                         lambda: self.inner.get_range_pinned(key, pinned, start, length))
 
     def _available(self) -> bool:
         def check() -> bool:

@@ -24,7 +24,13 @@ from chkq.errors import (
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
-from chkq.stores.base import CheckpointStore, InvalidKeyError, PartsUpload, StrayUpload
+from chkq.stores.base import (
+    CheckpointStore,
+    InvalidKeyError,
+    ObjectVersion,
+    PartsUpload,
+    StrayUpload,
+)
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
@@ -312,6 +318,41 @@ class LocalDirectoryStore(CheckpointStore):
 
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._read(key, limit + 1)
+
+    @staticmethod
+    def _stamp(found: os.stat_result) -> ObjectVersion:
+        return ObjectVersion(found.st_size, f"ino-mtime:{found.st_ino}:{found.st_mtime_ns}")
+
+    def _version(self, key: str) -> ObjectVersion:
+        with self._parent(key, create=False) as (parent, name):
+            found = self._lstat(parent, name)
+        if found is None or not stat.S_ISREG(found.st_mode):
+            raise KeyError(key)
+        return self._stamp(found)
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        with self._parent(key, create=False) as (parent, name):
+            if parent is None:
+                return None
+            try:
+                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                return None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._refuse_link(key) from None
+                raise
+            try:
+                before = os.fstat(fd)
+                if not stat.S_ISREG(before.st_mode) or self._stamp(before) != pinned:
+                    return None
+                data = os.pread(fd, length, start)
+                if self._stamp(os.fstat(fd)) != pinned:
+                    return None
+                return data
+            finally:
+                os.close(fd)
 
     def _exists(self, key: str) -> bool:
         with self._parent(key, create=False) as (parent, name):

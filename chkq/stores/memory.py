@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
 from typing import ClassVar
 
-from chkq.stores.base import CheckpointStore
+from chkq.stores.base import CheckpointStore, ObjectVersion
 
 __all__ = ["MemoryStore"]
 
@@ -16,6 +17,8 @@ class _Bucket:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.objects: dict[str, tuple[bytes, float]] = {}
+        self.serials: dict[str, int] = {}
+        """Which write of the process gave each object its bytes (its version)."""
 
 
 class MemoryStore(CheckpointStore):
@@ -43,15 +46,19 @@ class MemoryStore(CheckpointStore):
     def url(self) -> str:
         return f"memory://{self._name}"
 
+    _writes: ClassVar[itertools.count[int]] = itertools.count(1)
+
     def _put(self, key: str, data: bytes) -> None:
         with self._bucket.lock:
             self._bucket.objects[key] = (data, time.time())
+            self._bucket.serials[key] = next(self._writes)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
         with self._bucket.lock:
             if key in self._bucket.objects:
                 return False
             self._bucket.objects[key] = (data, time.time())
+            self._bucket.serials[key] = next(self._writes)
             return True
 
     def _get(self, key: str) -> bytes:
@@ -72,6 +79,15 @@ class MemoryStore(CheckpointStore):
     def _delete(self, key: str) -> None:
         with self._bucket.lock:
             self._bucket.objects.pop(key, None)
+            self._bucket.serials.pop(key, None)
+
+    def _version(self, key: str) -> ObjectVersion:
+        with self._bucket.lock:
+            try:
+                data = self._bucket.objects[key][0]
+                return ObjectVersion(len(data), f"write:{self._bucket.serials[key]}")
+            except KeyError:
+                raise KeyError(key) from None
 
     def _modified(self, key: str) -> float:
         with self._bucket.lock:

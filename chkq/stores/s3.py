@@ -25,6 +25,7 @@ from chkq.stores.base import (
     WRITE_ID_METADATA,
     BucketStore,
     ObjectChecksums,
+    ObjectVersion,
     PartsUpload,
     StoreTimeouts,
     StrayUpload,
@@ -331,6 +332,55 @@ class S3Store(BucketStore):
 
     def _exists(self, key: str) -> bool:
         return self._head(key) is not None
+
+    def _version(self, key: str) -> ObjectVersion:
+        head = self._head(key)
+        if head is None:
+            raise KeyError(key)
+        return ObjectVersion(int(head["ContentLength"]), f"etag:{head['ETag']}")
+
+    def _versions(self, prefix: str) -> dict[str, ObjectVersion]:
+        def attempt() -> dict[str, ObjectVersion]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            found: dict[str, ObjectVersion] = {}
+            pages = paginator.paginate(
+                Bucket=self._bucket, Prefix=self._prefix + prefix,
+                PaginationConfig={"PageSize": self.page_size},
+            )
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    found[obj["Key"][len(self._prefix):]] = ObjectVersion(
+                        int(obj["Size"]), f"etag:{obj['ETag']}")
+            return found
+
+        return self._retry(attempt, f"list {prefix!r}")
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        etag = pinned.version.removeprefix("etag:")
+        if length == 0 or start >= pinned.size:
+            current = self._head(key)
+            if current is None or f"etag:{current['ETag']}" != pinned.version:
+                return None
+            return b""
+        name = self._prefix + key
+
+        def attempt() -> bytes | None:
+            try:
+                answer = self._client.get_object(
+                    Bucket=self._bucket, Key=name, IfMatch=etag,
+                    Range=f"bytes={start}-{start + length - 1}")
+            except ClientError as exc:
+                if _is_not_found(exc) or _is_precondition_failed(exc):
+                    return None
+                raise
+            body = answer["Body"]
+            try:
+                return bytes(body.read(length))
+            finally:
+                body.close()
+
+        return self._retry(attempt, f"get {key}")
 
     def _modified(self, key: str) -> float:
         head = self._head(key)

@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from chkq.stores.base import CheckpointStore, InvalidKeyError
+from chkq.stores.base import CheckpointStore, InvalidKeyError, ObjectVersion
 from chkq.stores.url import open_store
 
 __all__ = ["BAD_KEYS", "StoreTests"]
@@ -181,6 +181,46 @@ class StoreTests:
             with pytest.raises(KeyError) as caught:
                 store.get_range("missing/obj", 2, length)
             assert caught.value.args[0] == "missing/obj"
+
+    def test_version_pins_one_write(self, store: CheckpointStore) -> None:
+        store.put("obj", b"a" * 300)
+        first = store.version("obj")
+        assert first.size == 300
+        assert store.version("obj") == first, "reading does not change the version"
+        assert self.reopen(store).version("obj") == first
+        store.put("obj", b"b" * 300)
+        second = store.version("obj")
+        assert second.size == 300 and second != first, "a rewrite of the same size is seen"
+        with pytest.raises(KeyError) as caught:
+            store.version("missing/obj")
+        assert caught.value.args[0] == "missing/obj"
+
+    def test_versions_list_keys_with_their_versions(self, store: CheckpointStore) -> None:
+        for key, data in (("run/a", b"1"), ("run/sub/b", b"22"), ("other", b"333")):
+            store.put(key, data)
+        listed = store.versions("run/")
+        assert list(listed) == ["run/a", "run/sub/b"]
+        assert listed == {key: store.version(key) for key in listed}
+        assert store.versions("nothing/") == {}
+
+    def test_get_range_pinned_reads_one_version_only(self, store: CheckpointStore) -> None:
+        data = bytes(range(200))
+        store.put("obj", data)
+        pinned = store.version("obj")
+        assert store.get_range_pinned("obj", pinned, 0, 10) == data[:10]
+        assert store.get_range_pinned("obj", pinned, 150, 100) == data[150:]
+        assert store.get_range_pinned("obj", pinned, 200, 1) == b"", "unchanged: nothing more"
+        store.put("obj", bytes(reversed(data)))
+        for start in (0, 150, 200):
+            assert store.get_range_pinned("obj", pinned, start, 10) in (None, data[start:][:10]), \
+                "only the pinned version's bytes"
+        assert store.get_range_pinned("obj", pinned, 200, 1) is None, "a rewrite is seen"
+        current = store.version("obj")
+        store.delete("obj")
+        assert store.get_range_pinned("obj", current, 0, 10) is None
+        assert store.get_range_pinned("missing/obj", ObjectVersion(1, "x"), 0, 1) is None
+        with pytest.raises(ValueError):
+            store.get_range_pinned("obj", current, -1, 1)
 
     def test_size(self, store: CheckpointStore) -> None:
         store.put("obj", b"x" * 1234)
