@@ -24,7 +24,7 @@ from chkq.tasks.protocol import task_id
 from chkq.workers.client import submit_consolidation, submit_store_consolidation
 from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster
-from support.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET, FaultProxy
 from support.plugins.users import LocalUser
 
 TIMEOUT = 180
@@ -197,3 +197,58 @@ def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
     assert not store.exists("sim.h5")
     assert store.get("sim_chk00002.h5") == replaced
     no_strays(store)
+
+
+#: A run whose output is several 5 MiB parts: spectra of 1,024 float64 columns.
+PARTS_RUN = RunShape(checkpoints=2, trials=2000, spec_columns=1024)
+
+
+def publisher_killed(make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path,
+                     when: Callable[[CheckpointStore, str], bool]) -> tuple[Cluster, object]:
+    """Start a store job whose worker reaches S3 through a fault proxy; once ``when`` holds
+    (checked on the store directly), cut the proxy and SIGKILL the process running the link.
+    """
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", PARTS_RUN)
+    url = s3_place()
+    store = open_store(url)
+    objects = upload(files, run_dir, store)
+    proxy = FaultProxy(s3_endpoint)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
+        **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
+        "CHKQ_UPLOAD_PART_BYTES": str(5 << 20), "CHKQ_STORE_RETRY_SECONDS": "60"})
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: when(store, "sim.h5"), timeout=120, interval=0.005,
+             what="the publish reached the point of the kill")
+    proxy.go_down(4)
+    _, pid = wait_for(lambda: cluster.running(job.id), timeout=10, what="the link running")
+    os.kill(pid, signal.SIGKILL)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+    assert cluster.deliveries(job, "link") >= 2
+    worker.stop()
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    assert summary.output == url + "sim.h5"
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert {k: store.get(k) for k in objects} == objects
+    assert sorted(store.list()) == sorted([*objects, "sim.h5"])
+    no_strays(store)
+    proxy.close()
+    return cluster, job
+
+
+def test_a_publisher_killed_mid_upload_leaves_nothing_and_the_job_publishes_once(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    def uploading(store: CheckpointStore, key: str) -> bool:
+        return any(u.key == key for u in store.stray_uploads(key))
+
+    publisher_killed(make_cluster, s3_endpoint, tmp_path, uploading)
+
+
+def test_a_publisher_killed_after_completing_is_recognised_by_its_redelivery(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    def published(store: CheckpointStore, key: str) -> bool:
+        return store.exists(key)
+
+    publisher_killed(make_cluster, s3_endpoint, tmp_path, published)
