@@ -288,6 +288,7 @@ def test_a_gap_is_refused_unless_accepted(
         find_run(into, "run")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("url", ["s3://no-such-bucket-chkq/run/", "gs://no-such-bucket-chkq/run/"])
 def test_a_missing_bucket_is_named(url: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("s3_endpoint" if url.startswith("s3") else "gcs_endpoint")
