@@ -114,6 +114,10 @@ class Settings:
         checkpoints are in an object store is fetched, consolidated and
         verified before its output is published to the store. Created mode
         0700; one that is a link, another user's, or open to others is refused.
+    upload_part_bytes
+        Bytes per part when such a job's output is published
+        (``CHKQ_UPLOAD_PART_BYTES``, default 64 MiB; S3 raises it to 5 MiB,
+        and every store to a 10,000th of the output).
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
         used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the
@@ -141,6 +145,7 @@ class Settings:
     security_certificate: str | None = None
     security_cert_store: str | None = None
     scratch_dir: str | None = None
+    upload_part_bytes: int = 64 * MiB
     # Several nodes: the broker's kind and how a lost peer is noticed.
     broker_heartbeat: int = 20
 
@@ -167,6 +172,7 @@ class Settings:
             security_certificate=os.environ.get("CHKQ_SECURITY_CERTIFICATE") or None,
             security_cert_store=os.environ.get("CHKQ_SECURITY_CERT_STORE") or None,
             scratch_dir=os.environ.get("CHKQ_SCRATCH_DIR") or None,
+            upload_part_bytes=_int("CHKQ_UPLOAD_PART_BYTES", cls.upload_part_bytes),
             broker_heartbeat=_int("CHKQ_BROKER_HEARTBEAT", cls.broker_heartbeat),
         )
         settings.check()
@@ -176,6 +182,8 @@ class Settings:
         """Refuse settings that would make tasks run twice at once or loop."""
         if self.block_bytes < 1:
             raise ConfigurationError("CHKQ_BLOCK_BYTES must be positive")
+        if self.upload_part_bytes < 1:
+            raise ConfigurationError("CHKQ_UPLOAD_PART_BYTES must be positive")
         if self.task_bytes < 1 or self.task_files < 1:
             raise ConfigurationError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
         if not 0 < self.soft_time_limit <= self.time_limit:

@@ -306,10 +306,16 @@ def publish_output(found: StoreJob, job: str, output: Path, files: list[str]) ->
     """Publish a store job's verified output, record it, and delete the sources if asked.
 
     Delivered again, it recognises its own object at the destination (same
-    bytes) and its own log entry, and does not publish twice.
+    bytes) and its own log entry, and does not publish twice; the parts of an
+    upload of the same key left unfinished (a publish killed midway) are
+    aborted once the object is there.
     """
     store = open_store(found.destination[0])
-    published: Published = publish_file(store, found.destination[1], output)
+    published: Published = publish_file(store, found.destination[1], output,
+                                        part_bytes=get_settings().upload_part_bytes)
+    abandoned = [u for u in store.stray_uploads(published.key) if u.key == published.key]
+    for upload in abandoned:
+        store.abort_upload(upload)
     run = found.run
     if run.run_id is not None:
         CheckpointLog(open_store(run.store_url), run.run_id).record_output(OutputEntry(

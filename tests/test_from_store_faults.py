@@ -8,6 +8,7 @@ workers cannot read).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -24,10 +25,13 @@ from chkq.tasks.protocol import task_id
 from chkq.workers.client import submit_consolidation, submit_store_consolidation
 from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster
-from support.plugins.object_stores import BUCKET
+from support.plugins.object_stores import BUCKET, FaultProxy
 from support.plugins.users import LocalUser
 
 TIMEOUT = 180
+
+#: A run whose copy units take seconds: gzip rows re-encoded across file boundaries.
+SLOW_STORE_RUN = dataclasses.replace(SLOW_RUN, trials=30011)
 
 
 def s3_place() -> str:
@@ -52,6 +56,14 @@ def reference(cluster: Cluster, files: list[Path], run_dir: Path, tmp_path: Path
     output = submit_consolidation("sim", directory).wait_for_output(timeout=TIMEOUT)
     assert isinstance(output, Path)
     return output
+
+
+def running_step(cluster: Cluster, job: str) -> bool:
+    """Whether a worker of ``cluster`` runs a task of ``job`` (past its staging) now."""
+    names = [w.name for w in cluster.workers if w.process.poll() is None]
+    active = cluster.app.control.inspect(destination=names, timeout=1.0).active() or {}
+    return any(str(r.get("id", "")).startswith(job) and "-stage" not in str(r.get("id"))
+               for requests in active.values() for r in requests)
 
 
 def store_env(scratch: Path) -> dict[str, str]:
@@ -96,7 +108,7 @@ def test_a_worker_of_another_user_consolidates_a_run_it_cannot_read(
 def test_a_copy_process_killed_mid_task_runs_again_on_the_jobs_worker(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_RUN)
+    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
     url = s3_place()
     store = open_store(url)
     objects = upload(files, run_dir, store)
@@ -121,7 +133,7 @@ def test_a_copy_process_killed_mid_task_runs_again_on_the_jobs_worker(
 def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_RUN)
+    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
     url = s3_place()
     store = open_store(url)
     upload(files, run_dir, store)
@@ -129,8 +141,8 @@ def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job
     env = store_env(tmp_path / "scratch")
     (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env)
     job = submit_store_consolidation("sim", url)
-    wait_for(lambda: cluster.running(task_id(job.id, "copy", 0)), timeout=60,
-             what="copy 0 running")
+    wait_for(lambda: running_step(cluster, job.id), timeout=60, interval=0.01,
+             what="a step of the job running")
     worker.kill()
     (again,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env,
                                    name=worker.name)
@@ -148,7 +160,7 @@ def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job
 def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_RUN)
+    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
     url = s3_place()
     store = open_store(url)
     objects = upload(files, run_dir, store)
@@ -156,8 +168,8 @@ def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
     cluster.add_workers(1, "control,copy,verify", concurrency=2,
                         env=store_env(tmp_path / "scratch"))
     job = submit_store_consolidation("sim", url)
-    wait_for(lambda: cluster.running(task_id(job.id, "copy", 0)), timeout=60,
-             what="copy 0 running")
+    wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+             what="the job staged")
     store.put("sim.h5", b"theirs")
     with pytest.raises(FileExistsError, match="sim.h5"):
         job.wait_for_output(timeout=TIMEOUT)
@@ -197,3 +209,85 @@ def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
     assert not store.exists("sim.h5")
     assert store.get("sim_chk00002.h5") == replaced
     no_strays(store)
+
+
+#: A run whose output is several 5 MiB parts: spectra of 1,024 float64 columns.
+PARTS_RUN = RunShape(checkpoints=2, trials=2000, spec_columns=1024)
+
+
+def publisher_killed(make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path,
+                     when: Callable[[CheckpointStore, str], bool]) -> tuple[Cluster, object]:
+    """Start a store job whose worker reaches S3 through a fault proxy; once ``when`` holds
+    (checked on the store directly), cut the proxy and SIGKILL the process running the link.
+    """
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", PARTS_RUN)
+    url = s3_place()
+    store = open_store(url)
+    objects = upload(files, run_dir, store)
+    proxy = FaultProxy(s3_endpoint)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
+        **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
+        "CHKQ_UPLOAD_PART_BYTES": str(5 << 20), "CHKQ_STORE_RETRY_SECONDS": "60"})
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: when(store, "sim.h5"), timeout=120, interval=0.005,
+             what="the publish reached the point of the kill")
+    proxy.go_down(4)
+    _, pid = wait_for(lambda: cluster.running(job.id), timeout=10, what="the link running")
+    os.kill(pid, signal.SIGKILL)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+    assert cluster.deliveries(job, "link") >= 2
+    worker.stop()
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    assert summary.output == url + "sim.h5"
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert {k: store.get(k) for k in objects} == objects
+    assert sorted(store.list()) == sorted([*objects, "sim.h5"])
+    no_strays(store)
+    proxy.close()
+    return cluster, job
+
+
+def test_a_publisher_killed_mid_upload_leaves_nothing_and_the_job_publishes_once(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    def uploading(store: CheckpointStore, key: str) -> bool:
+        return any(u.key == key for u in store.stray_uploads(key))
+
+    publisher_killed(make_cluster, s3_endpoint, tmp_path, uploading)
+
+
+def test_a_publisher_killed_after_completing_is_recognised_by_its_redelivery(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    def published(store: CheckpointStore, key: str) -> bool:
+        return store.exists(key)
+
+    publisher_killed(make_cluster, s3_endpoint, tmp_path, published)
+
+
+def test_a_lost_answer_to_the_completion_of_the_upload_is_recognised(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    """S3 completes the upload but its answer never reaches the worker: the retry meets
+    the object, which holds the worker's own bytes, and the job ends with it."""
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", PARTS_RUN)
+    url = s3_place()
+    store = open_store(url)
+    upload(files, run_dir, store)
+    proxy = FaultProxy(s3_endpoint)
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
+    proxy.lose_next_response(f"POST /{BUCKET}/{prefix}sim.h5?uploadId=".encode())
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
+        **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
+        "CHKQ_UPLOAD_PART_BYTES": str(5 << 20)})
+    summary = submit_store_consolidation("sim", url).wait_for_summary(timeout=TIMEOUT)
+    worker.stop()
+    assert proxy.lost == 1
+    assert summary.output == url + "sim.h5"
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    no_strays(store)
+    proxy.close()

@@ -9,6 +9,7 @@ and by killing a publisher process.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import random
 import signal
@@ -76,7 +77,8 @@ def test_a_file_is_published_whole_and_proven(store: CheckpointStore,
     kind = kind_of(store)
     expected = {"s3": "S3 ChecksumSHA256 of each of the 3 parts, computed by the store",
                 "gs": "GCS CRC32C of the composed object, computed by the store",
-                "file": "re-read the linked file", "memory": "read back"}[kind]
+                "file": "local directory: the object is the published file itself",
+                "memory": "read back"}[kind]
     assert published.proof.startswith(expected), published.proof
     if kind == "s3":
         head = store.client.head_object(  # type: ignore[attr-defined]
@@ -495,3 +497,33 @@ def test_a_killed_publisher_leaves_nothing_at_the_key_and_sweep_removes_its_uplo
     nothing_left(store)
     published = publish_file(store, KEY, path, part_bytes=PART, sha256=sha(data))
     assert store.get(KEY) == data and published.size == SIZE
+
+
+def test_a_file_on_another_filesystem_than_a_local_store_is_copied_and_read_back(
+        source: tuple[Path, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, data = source
+    store = LocalDirectoryStore(tmp_path / "store")
+
+    def another_filesystem(*args: object) -> bool:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(LocalDirectoryStore, "link_from", another_filesystem)
+    published = publish_file(store, KEY, path, part_bytes=PART, sha256=sha(data))
+    assert published.proof.startswith("re-read the linked file"), published.proof
+    assert store.get(KEY) == data
+    assert not (store.root / KEY).samefile(path)
+    nothing_left(store, KEY)
+
+
+def test_a_file_linked_into_a_local_store_is_the_object(source: tuple[Path, bytes],
+                                                       tmp_path: Path) -> None:
+    path, data = source
+    store = LocalDirectoryStore(tmp_path / "store")
+    published = publish_file(store, KEY, path, sha256=sha(data))
+    assert (store.root / KEY).samefile(path)
+    assert published.sha256 == sha(data)
+    other = tmp_path / "other"
+    other.write_bytes(bytes(SIZE))
+    with pytest.raises(FileExistsError, match=KEY):
+        publish_file(store, KEY, other)
+    assert store.get(KEY) == data

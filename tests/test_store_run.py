@@ -9,6 +9,7 @@ bytes of the run directory it came from.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import uuid
@@ -121,7 +122,7 @@ def source(kind: str, request: pytest.FixtureRequest, tmp_path: Path
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_fetched_objects_are_the_run(source: tuple[str, CheckpointStore, Callable[..., None]],
                                      shape: str, tmp_path: Path) -> None:
-    url, _, put = source
+    url, store, put = source
     original = tmp_path / "original"
     make_run(original, "run", SHAPES[shape])
     names = upload_run(original, put)
@@ -138,7 +139,11 @@ def test_fetched_objects_are_the_run(source: tuple[str, CheckpointStore, Callabl
     assert written == sum((original / n).stat().st_size for n in names)
     assert tree(into) == {n: (original / n).read_bytes() for n in names}
     assert layout(find_run(into, "run"), into) == layout(find_run(original, "run"), original)
-    assert {stat.S_IMODE((into / n).stat().st_mode) for n in names} == {0o600}
+    if isinstance(store, LocalDirectoryStore):
+        # A directory on the scratch's filesystem: each file is the store's own, linked.
+        assert all((into / n).samefile(store.root / n) for n in names)
+    else:
+        assert {stat.S_IMODE((into / n).stat().st_mode) for n in names} == {0o600}
 
 
 def test_other_objects_are_ignored_as_discovery_ignores_files(
@@ -283,6 +288,7 @@ def test_a_gap_is_refused_unless_accepted(
         find_run(into, "run")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("url", ["s3://no-such-bucket-chkq/run/", "gs://no-such-bucket-chkq/run/"])
 def test_a_missing_bucket_is_named(url: str, request: pytest.FixtureRequest) -> None:
     request.getfixturevalue("s3_endpoint" if url.startswith("s3") else "gcs_endpoint")
@@ -366,12 +372,52 @@ def test_an_object_replaced_during_its_fetch_is_refused(
         return real(self, key, *args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(type(store), "get_range_pinned", replacing)
+
+    def another_filesystem(*args: object) -> bool:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(LocalDirectoryStore, "link_to", another_filesystem)
     into = tmp_path / "fetched"
     into.mkdir()
     with pytest.raises(CheckpointChangedError, match=victim):
         fetch_objects(found, found.names, into)
     assert len(reads) == 2
     assert list(into.iterdir()) == []
+
+
+def test_a_local_object_replaced_before_it_is_linked_is_refused(tmp_path: Path) -> None:
+    url, _, put = make_source("file", None, tmp_path)  # type: ignore[arg-type]
+    original = tmp_path / "original"
+    make_run(original, "run", SHAPES["flat"])
+    upload_run(original, put)
+    found = find_store_run(url, "run")
+    victim = "run_chk00002.h5"
+    put(victim, flipped((original / victim).read_bytes()))
+    into = tmp_path / "fetched"
+    into.mkdir()
+    with pytest.raises(CheckpointChangedError, match=victim):
+        fetch_objects(found, found.names, into)
+    assert list(into.iterdir()) == []
+
+
+def test_a_local_store_on_another_filesystem_is_copied(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    url, store, put = make_source("file", None, tmp_path)  # type: ignore[arg-type]
+    original = tmp_path / "original"
+    make_run(original, "run", SHAPES["threads"])
+    names = upload_run(original, put)
+
+    def another_filesystem(*args: object) -> bool:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(LocalDirectoryStore, "link_to", another_filesystem)
+    found = find_store_run(url, "run")
+    into = tmp_path / "fetched"
+    into.mkdir()
+    fetch_objects(found, found.names, into)
+    assert tree(into) == {n: (original / n).read_bytes() for n in names}
+    assert not any((into / n).samefile(original / n) for n in names)
+    assert {stat.S_IMODE((into / n).stat().st_mode) for n in names} == {0o600}
 
 
 def test_a_fetch_never_overwrites_nor_follows_a_link(tmp_path: Path) -> None:

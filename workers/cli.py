@@ -45,6 +45,8 @@ COMMAND_MODULES: dict[str, tuple[str, str]] = {
                "or recent jobs"),
     "cancel": ("chkq.workers.status", "cancel a job: revoke its tasks, remove its "
                "temporaries"),
+    "gc": ("chkq.workers.store_gc", "abort the uploads killed publishers left unfinished "
+           "under a store prefix"),
 }
 
 #: Signals that end a command cleanly (its children and temporaries go with it).

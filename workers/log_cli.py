@@ -238,11 +238,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
 
 @_clean_errors
 def cmd_gc(args: argparse.Namespace) -> int:
+    from chkq.stores.publish import sweep_uploads
+
     log = _existing(args, write=True)
     removed = log.gc(older_than=args.older_than)
     for key in removed:
         print(printable(key))
-    print(f"removed {len(removed)} unreferenced payload(s)", file=sys.stderr)
+    aborted = sweep_uploads(log.store, log.root, older_than=args.older_than)
+    for stray in aborted:
+        print(printable(f"{stray.key} (unfinished upload {stray.upload_id})"))
+    print(f"removed {len(removed)} unreferenced payload(s) and {len(aborted)} unfinished "
+          "upload(s)", file=sys.stderr)
     return 0
 
 
@@ -338,7 +344,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--outputs", action="store_true",
                    help="the consolidated outputs instead, as OUT_DIR/MODEL.h5, each checked "
                    "against its recorded size and SHA-256 as it streams in")
-    p = command("gc", "delete payloads no record points to", cmd_gc)
+    p = command("gc", "delete payloads no record points to, and uploads a killed "
+                "publisher left unfinished", cmd_gc)
     p.add_argument("--older-than", type=float, default=DEFAULT_GC_AGE, metavar="SECONDS",
                    help=f"only payloads older than this (default {DEFAULT_GC_AGE:.0f})")
     p = command("verify", "check that every checkpoint and output of the run can be "

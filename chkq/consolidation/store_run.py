@@ -55,6 +55,7 @@ from chkq.log import CheckpointLog, NameEntry, check_relative_name
 from chkq.log.keys import RunKeys
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
 from chkq.stores.base import CheckpointStore, ObjectVersion, bucket_prefix, validate_key
+from chkq.stores.local import LocalDirectoryStore
 from chkq.stores.url import parse_store_url
 
 __all__ = [
@@ -528,6 +529,11 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
     with _parent_dir(root_fd, root, parts, made) as dir_fd:
         if _already_there(store, log, run, obj, dir_fd, target):
             return 0
+        if log is None and isinstance(store, LocalDirectoryStore) \
+                and _linked(store, run, obj, dir_fd, parts[-1], target):
+            made.append((os.dup(dir_fd), parts[-1], False))
+            os.fsync(dir_fd)
+            return obj.size
         temp, fd = _new_temp(dir_fd, obj.mode)
         try:
             try:
@@ -550,6 +556,25 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
                 os.unlink(temp, dir_fd=dir_fd)
         os.fsync(dir_fd)
     return obj.size
+
+
+def _linked(store: LocalDirectoryStore, run: StoreRun, obj: SourceObject, dir_fd: int,
+            name: str, target: Path) -> bool:
+    """Fetch a local store's object by a hard link to its pinned file; False if it cannot be.
+
+    A store on the scratch directory's filesystem then costs no copy. An
+    object that is no longer the pinned version fails the fetch, as a read
+    would; one the kernel will not link (another filesystem, another user's
+    file under ``fs.protected_hardlinks``) is copied instead.
+    """
+    try:
+        if store.link_to(obj.key, ObjectVersion(obj.size, obj.version), dir_fd, name):
+            return True
+    except FileExistsError:
+        raise OutputExistsError(f"{str(target)!r} exists; a fetch never overwrites") from None
+    except OSError:
+        return False
+    raise _changed(run, obj.name)
 
 
 def _already_there(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,

@@ -30,6 +30,7 @@ from chkq.stores.base import (
     ObjectVersion,
     PartsUpload,
     StrayUpload,
+    validate_key,
 )
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
@@ -353,6 +354,69 @@ class LocalDirectoryStore(CheckpointStore):
                 return data
             finally:
                 os.close(fd)
+
+    def link_from(self, key: str, path: str | os.PathLike[str]) -> bool:
+        """Make the local file ``path`` the object ``key`` by a hard link, create-if-absent.
+
+        Where the store is a directory on the file's own filesystem, no byte
+        is copied: the object is the file itself. ``linkat`` fails if the key
+        exists, so this is create-if-absent against every other writer.
+
+        Returns
+        -------
+        bool
+            True if the object was made, False if an object already had the key.
+
+        Raises
+        ------
+        OSError
+            If the file cannot be linked there (another filesystem, or a
+            file the kernel will not let this user link); the caller copies.
+        """
+        with self._parent(validate_key(key), create=True) as (parent, name):
+            assert parent is not None
+            if self._lstat(parent, name) is not None:
+                return False
+            try:
+                os.link(path, name, dst_dir_fd=parent, follow_symlinks=False)
+            except FileExistsError:
+                return False
+            os.fsync(parent)
+        return True
+
+    def link_to(self, key: str, pinned: ObjectVersion, dir_fd: int, name: str) -> bool:
+        """Hard-link the object ``key``, if it is still ``pinned``, as ``name`` in ``dir_fd``.
+
+        A fetch from a directory on the fetcher's filesystem then copies no
+        byte; the link is the pinned file itself (a later replacement of the
+        object makes a new file and leaves it as it was).
+
+        Returns
+        -------
+        bool
+            False if the object is missing or not the pinned version (nothing is left).
+
+        Raises
+        ------
+        FileExistsError
+            If ``name`` exists in ``dir_fd``.
+        OSError
+            If the object cannot be linked there (another filesystem, or a
+            file the kernel will not let this user link); the caller copies.
+        """
+        with self._parent(validate_key(key), create=False) as (parent, source):
+            if parent is None:
+                return False
+            try:
+                os.link(source, name, src_dir_fd=parent, dst_dir_fd=dir_fd,
+                        follow_symlinks=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return False
+        found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(found.st_mode) or self._stamp(found) != pinned:
+            os.unlink(name, dir_fd=dir_fd)
+            return False
+        return True
 
     def _exists(self, key: str) -> bool:
         with self._parent(key, create=False) as (parent, name):
