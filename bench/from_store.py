@@ -364,6 +364,44 @@ class DiskWatch:
         self._thread.join()
 
 
+class PeakWatch:
+    """Peak RSS of each pool process and when it was sampled (VmRSS every 20 ms, then VmHWM).
+
+    ``when`` is the epoch of the highest sample; a peak only VmHWM saw (a
+    spike between samples) keeps the time of the highest sample.
+    """
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.peak = dict.fromkeys(pids, 0)
+        self.when = dict.fromkeys(pids, 0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from consolidate import _status_kib
+
+        while not self._stop.wait(0.02):
+            for pid in self.pids:
+                with contextlib.suppress(OSError):
+                    rss = _status_kib(pid, "VmRSS")
+                    if rss > self.peak[pid]:
+                        self.peak[pid], self.when[pid] = rss, time.time()
+
+    def __enter__(self) -> PeakWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from consolidate import _status_kib
+
+        self._stop.set()
+        self._thread.join()
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                self.peak[pid] = max(self.peak[pid], _status_kib(pid, "VmHWM"))
+
+
 @dataclass
 class Sample:
     """One timed round of one contender."""
@@ -374,6 +412,7 @@ class Sample:
     output: int = 0
     disk: int = 0
     rss: list[int] = field(default_factory=list)
+    rss_when: float = 0.0
     load: float = 0.0
     job: str = ""
     started: float = 0.0
@@ -390,14 +429,14 @@ class Bench:
 
     @contextlib.contextmanager
     def measured(self, sample: Sample, disk: list[Path]) -> Iterator[None]:
-        from consolidate import RssWatch, reset_peaks
+        from consolidate import reset_peaks
 
         pids = self.cluster.pool_pids()
         reset_peaks(pids)
         sample.log_offset = self.cluster.log_path.stat().st_size
         before = self.stores.counts()
         sample.load = os.getloadavg()[0]
-        with RssWatch(pids) as rss, DiskWatch(disk) as du:
+        with PeakWatch(pids) as rss, DiskWatch(disk) as du:
             sample.started = time.time()
             yield
             sample.ended = time.time()
@@ -405,6 +444,8 @@ class Bench:
         sample.moved = after[0] - before[0] + after[1] - before[1]
         sample.disk = du.peak
         sample.rss = [rss.peak[p] for p in pids]
+        if pids:
+            sample.rss_when = rss.when[max(pids, key=lambda p: rss.peak[p])]
         time.sleep(0.3)  # the tasks' last log lines
         sample.log_end = self.cluster.log_path.stat().st_size
 
@@ -511,8 +552,9 @@ def fsync(path: Path) -> None:
 # --------------------------------------------------------------------------- the worker log
 
 def store_breakdown(log_path: Path, sample: Sample) -> tuple[dict[str, float],
-                                                              dict[str, float]]:
-    """Consecutive segments of a store job (adding up to its wall time) and busy seconds.
+                                                              dict[str, float], str]:
+    """Consecutive segments of a store job (adding up to its wall time), busy seconds, and
+    the segment in which the highest RSS sample of the pool was taken.
 
     Segments: ``dispatch`` (submit to the stage's start, including the
     client's listing), then each step from its first start to the next
@@ -548,13 +590,16 @@ def store_breakdown(log_path: Path, sample: Sample) -> tuple[dict[str, float],
     segments: dict[str, float] = {}
     present = sorted((first[s], s) for s in STEPS if s in first)
     if not present or "link" not in last_end:
-        return segments, dict(busy)
+        return segments, dict(busy), "?"
     segments["dispatch"] = present[0][0] - sample.started
+    peak_in = "dispatch" if sample.rss_when < present[0][0] else "tail"
     for (when, step), (after, _) in zip(present, [*present[1:], (last_end["link"], "")],
                                         strict=True):
         segments[step] = after - when
+        if when <= sample.rss_when < after:
+            peak_in = step
     segments["tail"] = sample.ended - last_end["link"]
-    return segments, dict(busy)
+    return segments, dict(busy), peak_in
 
 
 # --------------------------------------------------------------------------- main
@@ -629,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
           "2 objects at a time, one stream each; upload_file multipart, 2 parts at a time; "
           "log run: restore_run in this process", flush=True)
     samples: dict[tuple[str, str], list[Sample]] = defaultdict(list)
-    breakdowns: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = defaultdict(list)
+    breakdowns: dict[str, list[tuple[dict[str, float], dict[str, float], str]]] = \
+        defaultdict(list)
     sizes: dict[str, Place] = {}
     stores = Stores(root, kinds)
     cluster = None
@@ -671,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(samples: dict[tuple[str, str], list[Sample]],
-           breakdowns: dict[str, list[tuple[dict[str, float], dict[str, float]]]],
+           breakdowns: dict[str, list[tuple[dict[str, float], dict[str, float], str]]],
            places: dict[str, Place]) -> None:
     """Print the table, the ratios, bytes moved, RSS, scratch bytes and the breakdown."""
     loads = [s.load for v in samples.values() for s in v]
@@ -721,13 +767,19 @@ def report(samples: dict[tuple[str, str], list[Sample]],
     print("where a store job's time goes (median s; segments add up to the wall time; "
           "busy = logged task seconds summed over the pool processes)")
     for label, items in breakdowns.items():
-        names = [n for n in ("dispatch", *STEPS, "tail") if any(n in seg for seg, _ in items)]
-        segs = " ".join(f"{n} {median([seg.get(n, 0.0) for seg, _ in items]):.2f}"
+        names = [n for n in ("dispatch", *STEPS, "tail")
+                 if any(n in seg for seg, _, _ in items)]
+        segs = " ".join(f"{n} {median([seg.get(n, 0.0) for seg, _, _ in items]):.2f}"
                         for n in names)
-        busy = " ".join(f"{n} {median([b.get(n, 0.0) for _, b in items]):.2f}"
-                        for n in STEPS if any(n in b for _, b in items))
+        busy = " ".join(f"{n} {median([b.get(n, 0.0) for _, b, _ in items]):.2f}"
+                        for n in STEPS if any(n in b for _, b, _ in items))
+        rounds = [s for (lab, c), v in samples.items() if lab == label and c == "store"
+                  for s in v]
+        peaks = ", ".join(f"{max(s.rss, default=0) / 1024:.0f} MiB in {where}"
+                          for s, (_, _, where) in zip(rounds, items, strict=True))
         print(f"  {label:14s} segments: {segs}")
         print(f"  {'':14s} busy:     {busy}")
+        print(f"  {'':14s} peak RSS of a pool process, each round: {peaks}")
 
 
 if __name__ == "__main__":
