@@ -325,7 +325,12 @@ class Stores:
 # --------------------------------------------------------------------------- sampling
 
 def tree_bytes(root: Path) -> int:
-    """Bytes allocated under ``root`` (st_blocks), as ``du`` counts them."""
+    """Bytes allocated under ``root`` (st_blocks) by files of one link only.
+
+    A file with other links (an object of a local store hard-linked into
+    the scratch directory, or the output once published by a link) takes
+    no space of its own there and is not counted.
+    """
     total = 0
     stack = [root]
     while stack:
@@ -335,8 +340,10 @@ def tree_bytes(root: Path) -> int:
                 with contextlib.suppress(OSError):
                     if entry.is_dir(follow_symlinks=False):
                         stack.append(Path(entry.path))
-                    else:
-                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                        continue
+                    found = entry.stat(follow_symlinks=False)
+                    if found.st_nlink == 1:
+                        total += found.st_blocks * 512
     return total
 
 
@@ -730,7 +737,8 @@ def report(samples: dict[tuple[str, str], list[Sample]],
           "unsynced, as cp leaves them; 'synced' fsyncs them as chkq fsyncs its own;\n"
           "# S3 MB: bytes through the proxy both ways, per output byte (/out) and per source "
           "byte (/in); RSS: peak of any pool process; disk: peak bytes of the worker's "
-          "scratch directory (store) or the download directory (baselines)")
+          "scratch directory (store) or the download directory (baselines), files of one "
+          "link only (a local store's objects are hard-linked into the scratch directory)")
     print(f"{'run/store':14s} {'files':>6s} {'MB':>7s} {'contender':9s} {'median s':>9s} "
           f"{'min s':>7s} {'max s':>7s} {'S3 MB':>7s} {'/out B':>6s} {'/in B':>5s} "
           f"{'RSS MiB':>7s} {'disk MB':>7s}  steps (median s)")
