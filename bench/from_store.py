@@ -674,7 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["CHKQ_ALLOWED_ROOTS"] = str(root)
     print("# command: " + " ".join([Path(sys.executable).name, *sys.argv]))
     print(f"# machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start; "
-          f"workers: chkq worker -c {args.workers}; {tuning()}")
+          f"workers: chkq worker -c {args.workers}; {tuning()} "
+          f"CHKQ_UPLOAD_PART_BYTES={os.environ.get('CHKQ_UPLOAD_PART_BYTES', 'default')}")
     print("# S3: moto_server as its own process, behind a byte-counting TCP proxy process "
           "(both contenders' requests go through it)" if "s3" in kinds else "# S3: not run")
     print("# baseline: file store shutil.copyfile (no fsync); S3 boto3 download_file, "
