@@ -22,7 +22,12 @@ import pytest
 from chkq.demo import RunShape, make_run
 from chkq.stores import CheckpointStore, open_store
 from chkq.tasks.protocol import task_id
-from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from chkq.errors import WaitTimeoutError
+from chkq.workers.client import (
+    FIRST_WORKER_CHECK_SECONDS,
+    submit_consolidation,
+    submit_store_consolidation,
+)
 from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster
 from support.plugins.object_stores import BUCKET, FaultProxy
@@ -144,6 +149,11 @@ def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job
     wait_for(lambda: running_step(cluster, job.id), timeout=60, interval=0.01,
              what="a step of the job running")
     worker.kill()
+    notices: list[str] = []
+    with pytest.raises(WaitTimeoutError):
+        job.wait_for_summary(timeout=FIRST_WORKER_CHECK_SECONDS + 6, on_notice=notices.append)
+    assert any(f"the worker {worker.name}, which holds job {job.id}" in n and "is gone" in n
+               for n in notices), notices
     (again,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env,
                                    name=worker.name)
     summary = job.wait_for_summary(timeout=TIMEOUT)
