@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
+from chkq.errors import WaitTimeoutError
 from chkq.stores import CheckpointStore, open_store
 from chkq.tasks.protocol import task_id
-from chkq.errors import WaitTimeoutError
 from chkq.workers.client import (
     FIRST_WORKER_CHECK_SECONDS,
     submit_consolidation,
