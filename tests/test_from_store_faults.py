@@ -281,3 +281,25 @@ def test_a_lost_answer_to_the_completion_of_the_upload_is_recognised(
     assert summary.output == url + "sim.h5"
     published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
     proxy.close()
+
+
+def test_a_fetch_killed_mid_download_runs_again_and_the_job_ends_correctly(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", PARTS_RUN)
+    proxy = FaultProxy(s3_endpoint)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
+        **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
+        "CHKQ_STORE_RETRY_SECONDS": "60"})
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+             interval=0.005, what="the job staged")
+    proxy.go_down(4)
+    _, pid = wait_for(lambda: cluster.running(task_id(job.id, "fetch", 0)), timeout=20,
+                      what="the fetch running")
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait_for_summary(timeout=TIMEOUT).output == url + "sim.h5"
+    assert cluster.deliveries(job, "fetch", 0) >= 2
+    worker.stop()
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
+    proxy.close()
