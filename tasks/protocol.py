@@ -92,6 +92,7 @@ class Phase(StrEnum):
     """What a job is doing (or why it stopped)."""
 
     QUEUED = "queued"
+    FETCHING = "fetching"
     PLANNING = "planning"
     COPYING = "copying"
     MERGING = "merging"
@@ -850,6 +851,8 @@ class JobStatus:
     bytes_written: int | None = None
     warnings: list[str] = field(default_factory=list)
     cancelled: float | None = None
+    queue: str | None = None
+    """For a job from an object store, the queue of the worker holding it (all its steps)."""
 
     @property
     def rows(self) -> tuple[int, int, int]:
@@ -991,9 +994,10 @@ def job_status(job: str) -> JobStatus:
     """
     check_job_id(job)
     info = job_info(job) or {}
-    plan_id = task_id(job, "plan")
-    first = fetch_metas([plan_id, task_id(job, "merge"), job])
+    plan_id, stage_id = task_id(job, "plan"), task_id(job, "stage")
+    first = fetch_metas([plan_id, task_id(job, "merge"), job, stage_id])
     plan_meta, merge_meta, link_meta = first[plan_id], first[task_id(job, "merge")], first[job]
+    stored = store_job_record(job)
     plan = plan_meta.get("result") if plan_meta and plan_meta.get("status") == "SUCCESS" else None
     plan = plan if isinstance(plan, dict) else None
     if not info and plan_meta is None and link_meta is None:
@@ -1009,7 +1013,8 @@ def job_status(job: str) -> JobStatus:
 
     status = JobStatus(job=job, state=JobState.PENDING, phase=Phase.QUEUED, model=info.get("model"),
                        out_dir=info.get("out_dir"), submitted=info.get("submitted"),
-                       plan=plan, steps=steps)
+                       plan=plan, steps=steps,
+                       queue=str(stored.get("queue")) if stored else None)
     done = finished_result(job)
     link = _unit(job, link_meta)
     causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
@@ -1038,6 +1043,8 @@ def job_status(job: str) -> JobStatus:
             status.failed_task, status.error = job, link.error
         if link.state == "FAILURE" and status.failed_task != job:
             link = UnitState(job, "NOT RUN")
+    elif plan_meta is None and (stored is not None or first[stage_id] is not None):
+        status.state, status.phase = JobState.RUNNING, Phase.FETCHING
     else:
         status.state = JobState.RUNNING if plan_meta is not None else JobState.PENDING
         status.phase = _phase(steps, link)

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +24,8 @@ from chkq.demo import RunShape, make_run
 from chkq.log import CheckpointLog
 from chkq.stores import CheckpointStore, open_store
 from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from support import corpus
+from support.corpus_expect import compare_full
 from support.helpers import assert_same_hdf5
 from support.plugins.cluster import WorkerProcess
 from support.plugins.object_stores import BUCKET
@@ -217,3 +219,57 @@ def test_the_command_line_consolidates_from_a_store_and_prints_the_url(
     assert "nosuch" in missing.stderr
     usage = chkq_command("consolidate", "sim", "--to", url + "x.h5")
     assert usage.returncode == 2 and "--to needs --from" in usage.stderr
+
+
+#: Files other software wrote (see tests/test_corpus.py), a few of each kind of outcome.
+REAL_FILES = ["slug-QHIFUVstats.h5", "pytables-attr-u16.h5", "netcdfc-cf_timeseries.nc",
+              "anndata-adata-v0.7.8.h5ad", "hdf5ex-REF_REG.h5", "syn-gzip-padding.h5",
+              "pytables-Tables_lzo2_shuffle.h5", "pytables-elink.h5"]
+
+
+def outcome(run: Callable[[], object]) -> tuple[object, BaseException | None]:
+    try:
+        return run(), None
+    except (ValueError, TypeError, NotImplementedError, OSError) as exc:
+        return None, exc
+
+
+@pytest.mark.parametrize("case", REAL_FILES)
+def test_real_files_consolidate_from_a_store_as_from_a_directory(
+        case: str, store_worker: WorkerProcess, places: dict[str, Path],
+        tmp_path: Path) -> None:
+    """An output equal, object by object, to what its sources say (as the directory job's
+    is; checked by the corpus tests' independent comparison), or the same refusal, naming
+    the object's URL where the directory job names its path."""
+    if case.startswith("slug-"):
+        source, companions = Path(__file__).parent / "data" / "QHIFUVstats.h5", []
+    else:
+        source, companions = corpus.resolve(case, tmp_path / "source")
+    run_dir = tmp_path / "run"
+    files = corpus.make_run(source, run_dir, "run", n_checkpoints=2, directory=True,
+                            companions=companions)
+    url = store_url("s3", places)
+    store = open_store(url)
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file()):
+        store.put(str(path.relative_to(run_dir)), path.read_bytes())
+    directory = places["reference"] / uuid.uuid4().hex[:12]
+    shutil.copytree(run_dir, directory)
+
+    expected, refused = outcome(lambda: submit_consolidation("run", directory)
+                                .wait_for_output(timeout=TIMEOUT))
+    got, store_refused = outcome(lambda: submit_store_consolidation("run", url)
+                                 .wait_for_output(timeout=TIMEOUT))
+
+    if refused is not None:
+        assert type(store_refused) is type(refused), (store_refused, refused)
+        shown = str(refused).replace(str(directory) + "/", url)
+        assert str(store_refused) == shown
+        assert not store.exists("run.h5")
+        return
+    assert store_refused is None, store_refused
+    assert got == url + "run.h5"
+    output = tmp_path / "run.h5"
+    output.write_bytes(store.get("run.h5"))
+    assert isinstance(expected, Path)
+    assert compare_full(output, files).differences == []
+    assert compare_full(expected, files).differences == []

@@ -20,9 +20,14 @@ from pathlib import Path
 import pytest
 
 from chkq.demo import RunShape, make_run
+from chkq.errors import WaitTimeoutError
 from chkq.stores import CheckpointStore, open_store
 from chkq.tasks.protocol import task_id
-from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from chkq.workers.client import (
+    FIRST_WORKER_CHECK_SECONDS,
+    submit_consolidation,
+    submit_store_consolidation,
+)
 from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster
 from support.plugins.object_stores import BUCKET, FaultProxy
@@ -46,6 +51,29 @@ def upload(files: list[Path], run_dir: Path, store: CheckpointStore) -> dict[str
         objects[key] = path.read_bytes()
         store.put(key, objects[key])
     return objects
+
+
+def put_in_s3(run_dir: Path, shape: RunShape
+              ) -> tuple[Path, list[Path], str, CheckpointStore, dict[str, bytes]]:
+    """A run written to ``run_dir``, then put in a fresh place in S3, the only place its
+    job reads: (run_dir, its files, the place's URL, the store there, every object's bytes).
+    """
+    files = make_run(run_dir, "sim", shape)
+    url = s3_place()
+    store = open_store(url)
+    return run_dir, files, url, store, upload(files, run_dir, store)
+
+
+def published_as_from_a_directory(cluster: Cluster, store: CheckpointStore, files: list[Path],
+                                  run_dir: Path, objects: dict[str, bytes],
+                                  tmp_path: Path) -> None:
+    """``sim.h5`` in the store equals the run consolidated from a directory, every source
+    is intact, and no upload was left unfinished."""
+    output = tmp_path / "sim.h5"
+    output.write_bytes(store.get("sim.h5"))
+    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    assert {k: store.get(k) for k in objects} == objects
+    no_strays(store)
 
 
 def reference(cluster: Cluster, files: list[Path], run_dir: Path, tmp_path: Path) -> Path:
@@ -96,47 +124,30 @@ def test_a_worker_of_another_user_consolidates_a_run_it_cannot_read(
     assert summary.output == url + "sim.h5"
     assert f"task=chkq.link job={summary.job}" in worker.log()
     worker.stop()
-
-    output = tmp_path / "sim.h5"
-    output.write_bytes(store.get("sim.h5"))
-    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
-    assert {k: store.get(k) for k in objects} == objects
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
     assert list((scratch / "work").iterdir()) == []
-    no_strays(store)
 
 
 def test_a_copy_process_killed_mid_task_runs_again_on_the_jobs_worker(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
-    url = s3_place()
-    store = open_store(url)
-    objects = upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", SLOW_STORE_RUN)
     cluster = make_cluster()
     (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2,
                                     env=store_env(tmp_path / "scratch"))
     job = submit_store_consolidation("sim", url)
     copy0 = task_id(job.id, "copy", 0)
-    _, pid = wait_for(lambda: cluster.running(copy0), timeout=60, what="copy 0 running")
+    _, pid = wait_for(lambda: cluster.running(copy0), timeout=60, interval=0.01,
+                      what="copy 0 running")
     os.kill(pid, signal.SIGKILL)
-    summary = job.wait_for_summary(timeout=TIMEOUT)
+    assert job.wait_for_summary(timeout=TIMEOUT).output == url + "sim.h5"
     assert cluster.deliveries(job, "copy", 0) >= 2
     worker.stop()
-
-    output = tmp_path / "sim.h5"
-    output.write_bytes(store.get(summary.output.removeprefix(url)))  # type: ignore[union-attr]
-    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
-    assert {k: store.get(k) for k in objects} == objects
-    no_strays(store)
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
 
 
 def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
-    url = s3_place()
-    store = open_store(url)
-    upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", SLOW_STORE_RUN)
     cluster = make_cluster()
     env = store_env(tmp_path / "scratch")
     (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env)
@@ -144,26 +155,24 @@ def test_a_worker_killed_and_started_again_under_its_name_finishes_its_store_job
     wait_for(lambda: running_step(cluster, job.id), timeout=60, interval=0.01,
              what="a step of the job running")
     worker.kill()
+    notices: list[str] = []
+    with pytest.raises(WaitTimeoutError):
+        job.wait_for_summary(timeout=FIRST_WORKER_CHECK_SECONDS + 6, on_notice=notices.append)
+    assert any(f"the worker {worker.name}, which holds job {job.id}" in n and "is gone" in n
+               for n in notices), notices
     (again,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env,
                                    name=worker.name)
     summary = job.wait_for_summary(timeout=TIMEOUT)
     assert f"job={job.id}" in again.log()
-    output = tmp_path / "sim.h5"
-    output.write_bytes(store.get("sim.h5"))
     again.stop()
     assert summary.output == url + "sim.h5"
-    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
     assert list((tmp_path / "scratch").iterdir()) == []
-    no_strays(store)
 
 
 def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", SLOW_STORE_RUN)
-    url = s3_place()
-    store = open_store(url)
-    objects = upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", SLOW_STORE_RUN)
     cluster = make_cluster()
     cluster.add_workers(1, "control,copy,verify", concurrency=2,
                         env=store_env(tmp_path / "scratch"))
@@ -182,11 +191,8 @@ def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
 
 def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", RunShape(checkpoints=3, trials=200))
-    url = s3_place()
-    store = open_store(url)
-    upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(
+        tmp_path / "run", RunShape(checkpoints=3, trials=200))
     cluster = make_cluster()
     (worker,) = cluster.add_workers(1, "control", concurrency=1,
                                     env=store_env(tmp_path / "scratch"))
@@ -220,11 +226,7 @@ def publisher_killed(make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp
     """Start a store job whose worker reaches S3 through a fault proxy; once ``when`` holds
     (checked on the store directly), cut the proxy and SIGKILL the process running the link.
     """
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", PARTS_RUN)
-    url = s3_place()
-    store = open_store(url)
-    objects = upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", PARTS_RUN)
     proxy = FaultProxy(s3_endpoint)
     cluster = make_cluster()
     (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
@@ -239,13 +241,8 @@ def publisher_killed(make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp
     summary = job.wait_for_summary(timeout=TIMEOUT)
     assert cluster.deliveries(job, "link") >= 2
     worker.stop()
-    output = tmp_path / "sim.h5"
-    output.write_bytes(store.get("sim.h5"))
     assert summary.output == url + "sim.h5"
-    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
-    assert {k: store.get(k) for k in objects} == objects
-    assert sorted(store.list()) == sorted([*objects, "sim.h5"])
-    no_strays(store)
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
     proxy.close()
     return cluster, job
 
@@ -270,11 +267,7 @@ def test_a_lost_answer_to_the_completion_of_the_upload_is_recognised(
         make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
     """S3 completes the upload but its answer never reaches the worker: the retry meets
     the object, which holds the worker's own bytes, and the job ends with it."""
-    run_dir = tmp_path / "run"
-    files = make_run(run_dir, "sim", PARTS_RUN)
-    url = s3_place()
-    store = open_store(url)
-    upload(files, run_dir, store)
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", PARTS_RUN)
     proxy = FaultProxy(s3_endpoint)
     prefix = url.removeprefix(f"s3://{BUCKET}/")
     proxy.lose_next_response(f"POST /{BUCKET}/{prefix}sim.h5?uploadId=".encode())
@@ -286,8 +279,27 @@ def test_a_lost_answer_to_the_completion_of_the_upload_is_recognised(
     worker.stop()
     assert proxy.lost == 1
     assert summary.output == url + "sim.h5"
-    output = tmp_path / "sim.h5"
-    output.write_bytes(store.get("sim.h5"))
-    assert_same_hdf5(output, reference(cluster, files, run_dir, tmp_path))
-    no_strays(store)
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
+    proxy.close()
+
+
+def test_a_fetch_killed_mid_download_runs_again_and_the_job_ends_correctly(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    run_dir, files, url, store, objects = put_in_s3(tmp_path / "run", PARTS_RUN)
+    proxy = FaultProxy(s3_endpoint)
+    cluster = make_cluster()
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env={
+        **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
+        "CHKQ_STORE_RETRY_SECONDS": "60"})
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+             interval=0.005, what="the job staged")
+    proxy.go_down(4)
+    _, pid = wait_for(lambda: cluster.running(task_id(job.id, "fetch", 0)), timeout=20,
+                      what="the fetch running")
+    os.kill(pid, signal.SIGKILL)
+    assert job.wait_for_summary(timeout=TIMEOUT).output == url + "sim.h5"
+    assert cluster.deliveries(job, "fetch", 0) >= 2
+    worker.stop()
+    published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
     proxy.close()

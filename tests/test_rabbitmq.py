@@ -362,3 +362,32 @@ def test_flower_on_rabbitmq(amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
         except subprocess.TimeoutExpired:  # Flower may linger on its broker connection
             os.killpg(flower.pid, signal.SIGKILL)
             flower.wait(10)
+
+
+def test_a_store_job_on_rabbitmq_uses_the_workers_own_quorum_queue(
+        amqp_cluster: AmqpCluster, tmp_path: Path) -> None:
+    """A run kept in a local store, consolidated on RabbitMQ: each worker's own queue is a
+    quorum queue like chkq's others, the job's steps go through it, and it drains."""
+    from chkq.stores import open_store
+    from chkq.workers.client import submit_store_consolidation
+
+    first = amqp_cluster.add_worker(env={"CHKQ_SCRATCH_DIR": str(tmp_path / "scratch-1")})
+    amqp_cluster.add_worker(env={"CHKQ_SCRATCH_DIR": str(tmp_path / "scratch-2")})
+    run = tmp_path / "run"
+    files = make_run(run, "run", RunShape(checkpoints=3, writers=2, trials=300))
+    url = (tmp_path / "store").as_uri() + "/"
+    store = open_store(url)
+    for path in files:
+        store.put(str(path.relative_to(run)), path.read_bytes())
+    assert submit_store_consolidation("run", url).wait_for_output(timeout=JOB_SECONDS) \
+        == url + "run.h5"
+    published = tmp_path / "run.h5"
+    published.write_bytes(store.get("run.h5"))
+    assert_consolidated(published, files)
+    queues = amqp_cluster.vhost.queues()
+    own = f"chkq.node.{first.name}"
+    assert queues[own]["type"] == "quorum", queues
+    node_queues = [n for n in queues if n.startswith("chkq.node.")]
+    assert len(node_queues) == 2
+    wait_for(lambda: all(amqp_cluster.vhost.queues()[n]["messages"] == "0"
+                         for n in node_queues), 30, "the workers' queues to drain")

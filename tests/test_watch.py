@@ -135,3 +135,35 @@ def test_watch_restores_byte_identical_files_under_every_name(
 
 def enqueued_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("enqueued ")]
+
+
+def test_watch_consolidates_from_the_store_for_workers_that_see_no_run_directory(
+    tmp_path: Path, worker: WorkerProcess
+) -> None:
+    """``--from-store``: the consolidation reads the run from the log, and its output is
+    published and recorded there; the run directory is left as it was."""
+    from chkq.stores import open_store
+    from support.helpers import assert_same_hdf5
+
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    store = f"file://{tmp_path / 'store'}"
+    sim = fake_simulation.start(out_dir, "sim", 3, 2, 0.3)
+    watch = subprocess.Popen(
+        [sys.executable, "-m", "chkq.workers.cli", "watch", str(out_dir), "sim",
+         "--store", store, "--run", "r1", "--pid", str(sim.pid), "--interval", "0.2",
+         "--consolidate", "--from-store", "--wait"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert sim.wait(TIMEOUT) == 0
+    stdout, stderr = watch.communicate(timeout=TIMEOUT)
+    assert watch.returncode == 0, stderr
+    url = f"{store}/runs/r1/outputs/sim.h5"
+    assert stdout.splitlines()[-1] == url
+    assert not (out_dir / "sim.h5").exists()
+    entry = CheckpointLog(open_store(store), "r1").output("sim")
+    assert entry is not None and len(entry.checkpoints) == 6
+    published = tmp_path / "published.h5"
+    published.write_bytes(open_store(store).get("runs/r1/outputs/sim.h5"))
+    reference = submit_consolidation("sim", out_dir).wait_for_output(timeout=TIMEOUT)
+    assert isinstance(reference, Path)
+    assert_same_hdf5(published, reference)

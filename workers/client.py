@@ -35,6 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import get_app, get_settings
+from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name, check_out_dir
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import (  # noqa: F401 (re-exported)
@@ -73,7 +74,8 @@ INSPECT_SECONDS = 1.0
 CONFIRM_SECONDS = 2.0
 
 #: The queue a job waits in, by the phase ``chkq status`` gives it.
-PHASE_QUEUES = {"queued": "chkq.control", "planning": "chkq.control", "copying": "chkq.copy",
+PHASE_QUEUES = {"queued": "chkq.control", "fetching": "chkq.copy",
+                "planning": "chkq.control", "copying": "chkq.copy",
                 "merging": "chkq.control", "verifying": "chkq.verify",
                 "linking": "chkq.control"}
 
@@ -401,7 +403,7 @@ class QueueWatch:
         status = job_status(self.job.id)
         if status.state not in ("PENDING", "RUNNING"):
             return None
-        queue = PHASE_QUEUES.get(status.phase)
+        queue = status.queue or PHASE_QUEUES.get(status.phase)
         return (queue, status.phase) if queue else None
 
     def check(self) -> None:
@@ -427,6 +429,13 @@ class QueueWatch:
         except Exception:  # noqa: BLE001 - advisory: the broker may be down, the client closing
             return
         self.told.add(queue)
+        if queue.startswith(NODE_QUEUE_PREFIX):
+            node = queue.removeprefix(NODE_QUEUE_PREFIX)
+            self.notice(f"the worker {node}, which holds job {self.job.id} in its scratch "
+                        f"directory, is gone ({phase}); start it again (chkq worker -n {node}, "
+                        f"the same CHKQ_SCRATCH_DIR) or cancel the job (chkq cancel "
+                        f"{self.job.id}) and submit it again; still waiting")
+            return
         short = queue.removeprefix("chkq.")
         self.notice(f"no worker serves queue {queue}, where job {self.job.id} waits ({phase}); "
                     f"start one (chkq worker -Q {short}) or cancel the job (chkq cancel "

@@ -430,8 +430,12 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _copy_plain(store: CheckpointStore, run: StoreRun, obj: SourceObject, fd: int) -> None:
-    """Write the object's pinned bytes to ``fd``, :data:`FETCH_BYTES` at a time."""
+def _pinned_pieces(store: CheckpointStore, run: StoreRun, obj: SourceObject
+                   ) -> Iterator[bytes]:
+    """The object's pinned bytes, :data:`FETCH_BYTES` at a time, and nothing after them.
+
+    An object that is not the pinned version (any more) is refused, naming its URL.
+    """
     pinned = ObjectVersion(obj.size, obj.version)
     offset = 0
     while offset < obj.size:
@@ -439,10 +443,16 @@ def _copy_plain(store: CheckpointStore, run: StoreRun, obj: SourceObject, fd: in
                                        min(FETCH_BYTES, obj.size - offset))
         if not piece:
             raise _changed(run, obj.name)
-        _write_all(fd, piece)
+        yield piece
         offset += len(piece)
     if store.get_range_pinned(obj.key, pinned, obj.size, 1) != b"":
         raise _changed(run, obj.name)
+
+
+def _copy_plain(store: CheckpointStore, run: StoreRun, obj: SourceObject, fd: int) -> None:
+    """Write the object's pinned bytes to ``fd``."""
+    for piece in _pinned_pieces(store, run, obj):
+        _write_all(fd, piece)
 
 
 def _load_entry(log: CheckpointLog, run: StoreRun, obj: SourceObject) -> bytes:
@@ -611,16 +621,9 @@ def _already_there(store: CheckpointStore, log: CheckpointLog | None, run: Store
             if digest.hexdigest() != obj.version:
                 raise refusal
             return True
-        pinned = ObjectVersion(obj.size, obj.version)
-        offset = 0
-        while offset < obj.size:
-            piece = store.get_range_pinned(obj.key, pinned, offset,
-                                           min(FETCH_BYTES, obj.size - offset))
-            if not piece:
-                raise _changed(run, obj.name)
+        for piece in _pinned_pieces(store, run, obj):
             if fh.read(len(piece)) != piece:
                 raise refusal
-            offset += len(piece)
     return True
 
 
