@@ -644,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--big-trials", type=int, default=7600,
                         help="trials per file of the big run (8 files; 7600: ~0.5 GB)")
     parser.add_argument("--small-files", type=int, default=2000)
-    parser.add_argument("--quick", action="store_true", help="a smoke run of about 2 "
-                        "minutes: --repeat 1, big of 1,900 trials a file, small of 300 files")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of about a "
+                        "minute: --repeat 1, big of 1,900 trials a file, small of 300 files")
     parser.add_argument("--keep", type=Path, default=None,
                         help="generate runs here (and reuse them if present)")
     parser.add_argument("--poll-seconds", type=float, default=0.02)
