@@ -116,7 +116,8 @@ class Settings:
         0700; one that is a link, another user's, or open to others is refused.
     upload_part_bytes
         Bytes per part when such a job's output is published
-        (``CHKQ_UPLOAD_PART_BYTES``, default 64 MiB; S3 raises it to 5 MiB,
+        (``CHKQ_UPLOAD_PART_BYTES``, default 16 MiB, so that a worker process holds
+        a few parts at most; S3 raises it to 5 MiB,
         and every store to a 10,000th of the output).
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
@@ -145,7 +146,7 @@ class Settings:
     security_certificate: str | None = None
     security_cert_store: str | None = None
     scratch_dir: str | None = None
-    upload_part_bytes: int = 64 * MiB
+    upload_part_bytes: int = 16 * MiB
     # Several nodes: the broker's kind and how a lost peer is noticed.
     broker_heartbeat: int = 20
 

@@ -200,12 +200,14 @@ def check_destination_free(run: StoreRun, destination: tuple[str, str]) -> None:
             f"output {_url(*destination)} exists; it is never overwritten")
 
 
-def fetch_units(objects: tuple[SourceObject, ...], limit: int) -> list[tuple[int, int]]:
-    """Consecutive batches of ``objects``, each at most ``limit`` bytes (or one object)."""
+def fetch_units(objects: tuple[SourceObject, ...], limit: int, files: int
+                ) -> list[tuple[int, int]]:
+    """Consecutive batches of ``objects``, each at most ``limit`` bytes and ``files`` objects
+    (or one object)."""
     units: list[tuple[int, int]] = []
     first, size = 0, 0
     for index, obj in enumerate(objects):
-        if index > first and size + obj.size > limit:
+        if index > first and (size + obj.size > limit or index - first >= files):
             units.append((first, index))
             first, size = index, 0
         size += obj.size
@@ -267,7 +269,7 @@ def launch_fetches(found: StoreJob, job: str, allow_gaps: bool) -> None:
     queue, model = found.queue, found.run.model
     plan = consolidation_signature(str(found.run_dir), model, job, False, allow_gaps, queue)
     plan.set_immutable(True)
-    units = fetch_units(found.run.objects, get_settings().task_bytes)
+    units = fetch_units(found.run.objects, get_settings().task_bytes, get_settings().task_files)
     fetches = [fetch.si(job, i).set(task_id=task_id(job, "fetch", i), queue=queue)
                for i in range(len(units))]
     chord(group(fetches).set(task_id=task_id(job, "fetches")), plan).apply_async()
@@ -290,7 +292,7 @@ def fetch(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
     if found.queue != own_queue(self):
         raise BadMessageError(f"fetch unit {unit} of job {job} belongs to {found.queue}, "
                               f"not to this worker ({own_queue(self)}): refused")
-    units = fetch_units(found.run.objects, get_settings().task_bytes)
+    units = fetch_units(found.run.objects, get_settings().task_bytes, get_settings().task_files)
     if unit >= len(units):
         raise BadMessageError(f"job {job} has no fetch unit {unit!r}")
     if protocol.cancelled(job) is not None:
@@ -340,13 +342,15 @@ def in_store_terms(exc: BaseException, found: StoreJob) -> BaseException:
     def shown(value: Any) -> Any:
         return value.replace(local, remote) if isinstance(value, str) else value
 
-    if not any(local in str(a) for a in exc.args):
+    named = [*exc.args, getattr(exc, "filename", None), getattr(exc, "filename2", None)]
+    if not any(isinstance(a, str) and local in a for a in named):
         return exc
     renamed = copying.copy(exc)
     renamed.args = tuple(shown(a) for a in exc.args)
     if isinstance(renamed, OSError):
         renamed.strerror = shown(renamed.strerror)
         renamed.filename = shown(renamed.filename)
+        renamed.filename2 = shown(renamed.filename2)
     return renamed
 
 

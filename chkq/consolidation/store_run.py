@@ -68,7 +68,7 @@ __all__ = [
     "find_store_run",
 ]
 
-FETCH_BYTES = 8 << 20
+FETCH_BYTES = 32 << 20
 """Bytes of a plain object read at a time: a fetch holds no more of it in memory."""
 
 
@@ -432,9 +432,11 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _pinned_pieces(store: CheckpointStore, run: StoreRun, obj: SourceObject
                    ) -> Iterator[bytes]:
-    """The object's pinned bytes, :data:`FETCH_BYTES` at a time, and nothing after them.
+    """The object's pinned bytes, :data:`FETCH_BYTES` at a time.
 
-    An object that is not the pinned version (any more) is refused, naming its URL.
+    Every read is made against the pin, whose version fixes the size too, so
+    the object cannot have grown; an empty object is asked once. One that is
+    not the pinned version (any more) is refused, naming its URL.
     """
     pinned = ObjectVersion(obj.size, obj.version)
     offset = 0
@@ -445,7 +447,7 @@ def _pinned_pieces(store: CheckpointStore, run: StoreRun, obj: SourceObject
             raise _changed(run, obj.name)
         yield piece
         offset += len(piece)
-    if store.get_range_pinned(obj.key, pinned, obj.size, 1) != b"":
+    if obj.size == 0 and store.get_range_pinned(obj.key, pinned, 0, 1) != b"":
         raise _changed(run, obj.name)
 
 

@@ -114,17 +114,21 @@ class FileDigests:
 class _Hasher:
     """The running digests of a file read in parts."""
 
-    def __init__(self, part_size: int) -> None:
+    def __init__(self, part_size: int, *, whole_only: bool = False) -> None:
         self.part_size = part_size
         self.size = 0
         self._whole = hashlib.sha256()
         self._parts: list[bytes] = []
-        self._crc32c: int | None = 0 if google_crc32c is not None else None
+        self._whole_only = whole_only
+        self._crc32c: int | None = \
+            0 if google_crc32c is not None and not whole_only else None
 
-    def add(self, piece: bytes) -> bytes:
-        """Take in the next part; return its SHA-256 digest."""
+    def add(self, piece: bytes) -> bytes | None:
+        """Take in the next part; return its SHA-256 digest (None: the whole file's only)."""
         self.size += len(piece)
         self._whole.update(piece)
+        if self._whole_only:
+            return None
         if self._crc32c is not None:
             self._crc32c = int(google_crc32c.extend(self._crc32c, piece))
         digest = hashlib.sha256(piece).digest()
@@ -236,9 +240,9 @@ def _link(store: LocalDirectoryStore, key: str, source: Path, handle: BinaryIO,
 
     The file is hashed first (the result names its SHA-256); the object made
     is then shown to be that very file (same inode, unchanged), so no byte is
-    copied or read back.
+    copied or read back, and no part digest is needed.
     """
-    hasher = _Hasher(part_size)
+    hasher = _Hasher(part_size, whole_only=True)
     for piece in _pieces(handle, part_size):
         hasher.add(piece)
     digests = hasher.digests()
