@@ -551,13 +551,13 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         try:
             result |= publish_output(in_store, job, output, [f for f, *_ in plan.files])
         except BaseException as exc:
-            discard_workspace(in_store)
+            discard_workspace(job)
             raise in_store_terms(exc, in_store) from None
     record_finished(job, result)
     discard_job_files(plan.job)
     protocol.forget_progress(job)
     if in_store is not None:
-        discard_workspace(in_store)
+        discard_workspace(job)
     return result
 
 
@@ -642,12 +642,12 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     if _trusted(protocol.cancelled, job) is not None:
         _discard_quietly(out_dir, model, job) if out_dir else None
         if in_store is not None:
-            discard_workspace(in_store)
+            discard_workspace(job)
         protocol.forget_progress(job)
         return
     removed = _discard_quietly(out_dir, model, job) if out_dir else []
     if in_store is not None:
-        discard_workspace(in_store)
+        discard_workspace(job)
     try:
         protocol.record_failed(job, task, cause)
         protocol.forget_refused(job)

@@ -253,7 +253,7 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         destination = destination_of(found, to)
         check_store_allowed(destination[0])
         check_destination_free(found, destination)
-        workspace = private_directory(get_settings().scratch_root) / job
+        workspace = private_directory(get_settings().scratch_root) / check_job_id(job)
         sweep_workspaces()
         recorded = StoreJob.from_record(protocol.record_store_job(job, StoreJob(
             found, destination, own_queue(self), str(workspace), cleanup).to_record()), job)
@@ -354,13 +354,15 @@ def in_store_terms(exc: BaseException, found: StoreJob) -> BaseException:
     return renamed
 
 
-def discard_workspace(found: StoreJob, task: ChkqTask | None = None) -> bool:
-    """Remove the job's workspace if it is this worker's; True if removed."""
-    if task is not None and found.queue != own_queue(task):
-        return False
-    path = Path(found.workspace)
-    if path.parent != get_settings().scratch_root:
-        return False
+def discard_workspace(job: str) -> bool:
+    """Remove the job's workspace in this worker's scratch directory, if any; True if gone.
+
+    The path is derived from the job id, never read from a record: only a
+    job's own directory of the scratch directory is ever removed.
+    """
+    path = get_settings().scratch_root / check_job_id(job)
+    if path.is_symlink() or not path.is_dir():
+        return not path.exists()
     shutil.rmtree(path, ignore_errors=True)
     return not path.exists()
 
