@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import hashlib
 import os
+import threading
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import boto3
@@ -39,6 +42,9 @@ MiB = 1 << 20
 MIN_PART = 5 * MiB
 """S3's smallest part but for the last."""
 MAX_COPY_PART = 1 << 30
+#: Parts of one upload sent at once: S3 takes parts in any order, and one stream rarely
+#: fills the link; the caller's memory holds this many parts in flight at most.
+PARTS_IN_FLIGHT = 3
 """Largest range copied server-side in one ``UploadPartCopy`` (S3 allows 5 GiB)."""
 
 _TRANSIENT_CODES = frozenset(
@@ -502,6 +508,10 @@ class _MultipartUpload(PartsUpload):
         self._name = store._prefix + key
         self._write_id = uuid.uuid4().hex
         self._parts: list[dict[str, Any]] = []
+        self._next_part = 1
+        self._sending: list[Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
+        self._pool: ThreadPoolExecutor | None = None
         self._buffer = bytearray()
         self._buffer_sha256: bytes | None = None
         self.part_size = max(part_size, MIN_PART)
@@ -525,8 +535,51 @@ class _MultipartUpload(PartsUpload):
             self._buffer_sha256 = None
             self._send(piece, sha256)
 
+    def _number(self) -> int:
+        number, self._next_part = self._next_part, self._next_part + 1
+        return number
+
     def _send(self, piece: bytes, sha256: bytes | None = None) -> None:
-        store, number = self.store, len(self._parts) + 1
+        """Send a part in the background, at most :data:`PARTS_IN_FLIGHT` at once.
+
+        A part that failed fails the next write or the completion; the
+        store's retries and their budget (a context variable) go with it.
+        """
+        self._raise_failed()
+        number = self._number()
+        self._slots.acquire()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="chkq-s3-part")
+        context = contextvars.copy_context()
+        try:
+            future = self._pool.submit(context.run, self._send_part, number, piece, sha256)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())
+        self._sending.append(future)
+
+    def _raise_failed(self) -> None:
+        for future in self._sending:
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # type: ignore[misc]
+
+    def _sent(self) -> None:
+        """Wait for every part in flight; their entries join the upload's parts."""
+        sending, self._sending = self._sending, []
+        try:
+            for future in sending:
+                self._parts.append(future.result())
+        finally:
+            for future in sending:
+                future.cancel()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        self._parts.sort(key=lambda part: int(part["PartNumber"]))
+
+    def _send_part(self, number: int, piece: bytes, sha256: bytes | None) -> dict[str, Any]:
+        store = self.store
         extra: dict[str, str] = {}
         if self._checksum:
             sent = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
@@ -552,7 +605,7 @@ class _MultipartUpload(PartsUpload):
                     f"store {store.url}: part {number} of {self.key}: the store received "
                     f"bytes with SHA-256 {received}, not the {extra['ChecksumSHA256']} sent")
             part["ChecksumSHA256"] = extra["ChecksumSHA256"]
-        self._parts.append(part)
+        return part
 
     def _write(self, data: bytes) -> None:
         self._buffer += data
@@ -585,7 +638,7 @@ class _MultipartUpload(PartsUpload):
             super()._copy(source, start, end - start)
 
     def _copy_part(self, source: str, start: int, size: int) -> None:
-        store, number = self.store, len(self._parts) + 1
+        store, number = self.store, self._number()
         answer = store._retry(
             lambda: store.client.upload_part_copy(
                 Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
@@ -602,8 +655,9 @@ class _MultipartUpload(PartsUpload):
     def _complete(self) -> bool:
         self._flush(final=True)
         store = self.store
-        if not self._parts:
+        if self._next_part == 1:
             self._send(b"")
+        self._sent()
 
         def attempt() -> bool:
             try:
@@ -625,4 +679,6 @@ class _MultipartUpload(PartsUpload):
         return store._retry(attempt, f"complete upload of {self.key}")
 
     def _abort(self) -> None:
+        with contextlib.suppress(Exception):
+            self._sent()
         self.store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))
