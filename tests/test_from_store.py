@@ -11,6 +11,7 @@ fake-gcs-server.
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from chkq.config.celery_app import get_app
 from chkq.demo import RunShape, make_run
 from chkq.log import CheckpointLog
 from chkq.stores import CheckpointStore, open_store
@@ -28,9 +30,13 @@ from support import corpus
 from support.corpus_expect import compare_full
 from support.helpers import assert_same_hdf5
 from support.plugins.cluster import WorkerProcess
+from support.plugins.faults import Cluster
 from support.plugins.object_stores import BUCKET
 
 TIMEOUT = 180
+#: The default time limits, not a fault cluster's short ones: real files take their time.
+LIMITS = {"CHKQ_SOFT_TIME_LIMIT": "240", "CHKQ_TIME_LIMIT": "300",
+          "CHKQ_VISIBILITY_TIMEOUT": "420"}
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +52,21 @@ def places(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def store_worker(redis_server: object, s3_endpoint: str, gcs_endpoint: str,
                  places: dict[str, Path]) -> Iterator[WorkerProcess]:
-    """Two worker processes that can reach the stores but no submitter's run directory."""
-    url = redis_server.url  # type: ignore[attr-defined]
-    process = WorkerProcess(url, "control,copy,verify,commit", 2, places["scratch"], env={
-        "CHKQ_SCRATCH_DIR": str(places["scratch"] / "work"),
-        "CHKQ_ALLOWED_ROOTS": f"{places['scratch']}:{places['reference']}:{places['stores']}"})
-    yield process
-    process.stop()
+    """Two worker processes that can reach the stores but no submitter's run directory.
+
+    They are the only workers of a cluster of the module's own: a worker of the session,
+    started before the stores' servers were, could otherwise take a job's first step.
+    """
+    cluster = Cluster(places["scratch"]).start()
+    try:
+        (process,) = cluster.add_workers(1, "control,copy,verify,commit", concurrency=2, env={
+            **LIMITS, "CHKQ_SCRATCH_DIR": str(places["scratch"] / "work"),
+            "CHKQ_ALLOWED_ROOTS":
+                f"{places['scratch']}:{places['reference']}:{places['stores']}"})
+        yield process
+    finally:
+        cluster.release()
+        cluster.close()
 
 
 def store_url(kind: str, places: dict[str, Path]) -> str:
@@ -201,7 +215,11 @@ def test_a_log_run_is_consolidated_recorded_and_found_the_second_time(
 
 
 def chkq_command(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args],
+    """A ``chkq`` command on the module's cluster."""
+    conf = get_app().conf
+    env = {**os.environ, "CHKQ_BROKER_URL": conf.broker_url,
+           "CHKQ_RESULT_BACKEND": conf.result_backend}
+    return subprocess.run([sys.executable, "-m", "chkq.workers.cli", *args], env=env,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 
