@@ -77,8 +77,8 @@ class StoreJob:
         The store URL and key the output is published at.
     queue
         The queue of the worker whose scratch directory holds the job.
-    workspace
-        That directory (``SCRATCH/JOB``).
+    job
+        The job's id, which names its workspace there (``SCRATCH/JOB``).
     cleanup
         Delete the sources once the output is published (and recorded).
     """
@@ -86,13 +86,13 @@ class StoreJob:
     run: StoreRun
     destination: tuple[str, str]
     queue: str
-    workspace: str
+    job: str
     cleanup: bool
 
     @property
     def run_dir(self) -> Path:
-        """The run directory the fetch units fill."""
-        return Path(self.workspace) / RUN_DIR
+        """The run directory the fetch units fill, in this worker's scratch directory."""
+        return get_settings().scratch_root / check_job_id(self.job) / RUN_DIR
 
     @property
     def output_url(self) -> str:
@@ -105,7 +105,7 @@ class StoreJob:
                 "run": run.run_id, "model": run.model,
                 "objects": [[o.name, o.key, o.size, o.version, o.mode] for o in run.objects],
                 "destination": list(self.destination), "queue": self.queue,
-                "workspace": self.workspace, "cleanup": self.cleanup}
+                "cleanup": self.cleanup}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], job: str) -> StoreJob:
@@ -118,8 +118,7 @@ class StoreJob:
                            run_id=None if record["run"] is None else str(record["run"]),
                            model=str(record["model"]), objects=objects)
             store, key = (str(x) for x in record["destination"])
-            return cls(run, (store, key), str(record["queue"]), str(record["workspace"]),
-                       bool(record["cleanup"]))
+            return cls(run, (store, key), str(record["queue"]), job, bool(record["cleanup"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise protocol.ForgedRecordError(
                 f"job record {protocol.record_key_of(job, 'store')} is not a store job "
@@ -253,10 +252,10 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         destination = destination_of(found, to)
         check_store_allowed(destination[0])
         check_destination_free(found, destination)
-        workspace = private_directory(get_settings().scratch_root) / check_job_id(job)
+        private_directory(get_settings().scratch_root)
         sweep_workspaces()
         recorded = StoreJob.from_record(protocol.record_store_job(job, StoreJob(
-            found, destination, own_queue(self), str(workspace), cleanup).to_record()), job)
+            found, destination, own_queue(self), job, cleanup).to_record()), job)
     if recorded.queue == own_queue(self):
         recorded.run_dir.mkdir(parents=True, exist_ok=True)
     launch_fetches(recorded, job, allow_gaps)

@@ -36,7 +36,7 @@ def test_the_destination_is_beside_the_sources_or_the_object_named() -> None:
 
 
 def test_errors_name_the_object_not_the_workers_scratch_copy(tmp_path: Path) -> None:
-    job = StoreJob(RUN, ("s3://b", "runs/r1/m.h5"), "chkq.node.w@h", str(tmp_path / "J"), False)
+    job = StoreJob(RUN, ("s3://b", "runs/r1/m.h5"), "chkq.node.w@h", "0" * 32, False)
     local = f"{job.run_dir}/m_chk00002.h5"
     renamed = in_store_terms(BadCheckpointError(f"{local!r} is truncated"), job)
     assert type(renamed) is BadCheckpointError

@@ -510,7 +510,11 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path) -> int:
         check_relative_name(name)
     root = check_out_dir(into)
     store = _open_store(run.store_url)
-    log = None if run.run_id is None else CheckpointLog(store, run.run_id)
+    # A fetch loads its checkpoints in run order: the one before each (a delta's base, most
+    # often) is all the log's cache needs to hold.
+    largest = max((by_name[name].size for name in names), default=0)
+    log = None if run.run_id is None else CheckpointLog(store, run.run_id,
+                                                         cache_bytes=2 * largest)
     made: list[tuple[int, str, bool]] = []
     written = 0
     root_fd = os.open(root, DIRECTORY)
