@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from celery.result import AsyncResult
 
 from chkq.demo import RunShape, make_run
 from chkq.errors import WaitTimeoutError
@@ -94,6 +95,26 @@ def running_step(cluster: Cluster, job: str) -> bool:
                for requests in active.values() for r in requests)
 
 
+def copy_mid_way(cluster: Cluster, job: str) -> tuple[int, int] | None:
+    """A copy of ``job`` with rows left to do (its unit), and the pid of the process running it.
+
+    A copy reports progress as it goes and once more just before it ends: only a report
+    short of its total says it is mid-way.
+    """
+    names = [w.name for w in cluster.workers if w.process.poll() is None]
+    active = cluster.app.control.inspect(destination=names, timeout=1.0).active() or {}
+    for requests in active.values():
+        for request in requests:
+            task = str(request.get("id", ""))
+            if not task.startswith(f"{job}-copy-"):
+                continue
+            result = AsyncResult(task, app=cluster.app)
+            info = result.info if result.state == "PROGRESS" else None
+            if isinstance(info, dict) and int(info.get("done", 0)) < int(info.get("total", 0)):
+                return int(task.rsplit("-", 1)[1]), int(request["worker_pid"])
+    return None
+
+
 def store_env(scratch: Path) -> dict[str, str]:
     return {"CHKQ_SCRATCH_DIR": str(scratch), "CHKQ_ALLOWED_ROOTS": str(scratch)}
 
@@ -135,12 +156,11 @@ def test_a_copy_process_killed_mid_task_runs_again_on_the_jobs_worker(
     (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2,
                                     env=store_env(tmp_path / "scratch"))
     job = submit_store_consolidation("sim", url)
-    copy0 = task_id(job.id, "copy", 0)
-    _, pid = wait_for(lambda: cluster.running(copy0), timeout=60, interval=0.01,
-                      what="copy 0 running")
+    unit, pid = wait_for(lambda: copy_mid_way(cluster, job.id), timeout=60, interval=0.01,
+                         what="a copy running mid-way")
     os.kill(pid, signal.SIGKILL)
     assert job.wait_for_summary(timeout=TIMEOUT).output == url + "sim.h5"
-    assert cluster.deliveries(job, "copy", 0) >= 2
+    assert cluster.deliveries(job, "copy", unit) >= 2
     worker.stop()
     published_as_from_a_directory(cluster, store, files, run_dir, objects, tmp_path)
 
