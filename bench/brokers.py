@@ -34,10 +34,10 @@ from pathlib import Path
 
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.demo import RunShape, make_run
-from chkq.tasks.protocol import job_status
+from chkq.tasks.state import job_status
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
-from chkq.workers.launch import launch_worker, worker_environment
+from chkq.workers.runtime.launch import launch_worker, worker_environment
 
 
 def rabbitmqctl(*args: str) -> None:

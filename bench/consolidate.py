@@ -65,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import contextlib
 
 from chkq.consolidation.checkpoint_files import is_extensible  # noqa: E402
-from chkq.consolidation.skeleton import create_extensible  # noqa: E402
+from chkq.consolidation.filter_pipelines import create_extensible  # noqa: E402
 from chkq.demo import RunShape, make_run  # noqa: E402
 
 MiB = 1 << 20
@@ -172,7 +172,7 @@ class Cluster:
     def __enter__(self) -> Cluster:
         from chkq.config.celery_app import make_app, use_app
         from chkq.config.settings import Settings
-        from chkq.workers.launch import launch_worker
+        from chkq.workers.runtime.launch import launch_worker
 
         self.redis.start()
         os.environ["CHKQ_BROKER_URL"] = self.redis.url

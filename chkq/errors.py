@@ -43,6 +43,10 @@ class OutputNotWritableError(ChkqError, PermissionError):
     """The output directory cannot be written (read-only filesystem, no permission)."""
 
 
+class RunNotReadableError(ChkqError, PermissionError):
+    """A run directory or checkpoint directory that chkq may not list (no permission)."""
+
+
 class OutputWriteError(ChkqError, OSError):
     """Writing the output failed (e.g. the disk is full), naming the file and filesystem.
 
@@ -69,6 +73,10 @@ class BadCheckpointError(ChkqError, ValueError):
 
 class BadMessageError(ChkqError, ValueError):
     """A task message or a job record is malformed or names what its job does not."""
+
+
+class ForgedRecordError(ChkqError, ValueError):
+    """A job record in Redis that this deployment's workers and clients did not write."""
 
 
 class BadMessageTypeError(BadMessageError, TypeError):
@@ -136,8 +144,16 @@ class JobInterruptedError(ChkqError, RuntimeError):
     """A step of a job was terminated from outside (revoked, or cancelled on a broker loss)."""
 
 
+class MergeError(ChkqError, OSError):
+    """A piece of the merge could not change the job's temporary output (said plainly)."""
+
+
 class JobCancelledError(ChkqError, RuntimeError):
     """The job was cancelled (``chkq cancel``) before it finished."""
+
+
+class RunBusyError(ChkqError, RuntimeError):
+    """Another consolidation of the same run is queued or running: a second is refused."""
 
 
 class JobLostError(ChkqError, RuntimeError):
@@ -218,6 +234,10 @@ class StoreNotFoundError(ChkqError, LookupError):
     """The store itself (its bucket or directory) does not exist."""
 
 
+class StoreAccessError(ChkqError, PermissionError):
+    """A store refused the credentials chkq has, or chkq found none to send."""
+
+
 class SymlinkInStoreError(ChkqError, PermissionError):
     """A symbolic link stands where a store expects a directory or an object."""
 
@@ -242,3 +262,11 @@ def is_user_error(kind: type[BaseException] | str) -> bool:
             return False
         kind = found
     return issubclass(kind, USER_ERRORS)
+
+
+class FollowError(ChkqError, ValueError):
+    """A running simulation cannot be followed as asked: the last good version stays."""
+
+
+class HistoryChangedError(FollowError):
+    """A checkpoint a published version holds was rewritten (the simulation restarted)."""

@@ -1,21 +1,23 @@
 """Watching a running simulation's output directory for complete checkpoint files.
 
 A file is ready when it is complete — its root has ``trials_completed``,
-which the simulation writes when it closes the file — and has not changed
-between two looks. Each writer's files form a chain (``thread_0001.h5`` of
-checkpoint 3 follows ``thread_0001.h5`` of checkpoint 2; single-file
-checkpoints follow each other); a chain is committed in order and stops at
-its first file that is not ready, so none is skipped. What the log already
-holds (by name) is not committed again, so a restarted watcher goes on
-where it stopped — but only when the file's own SHA-256 is the checkpoint
-the log's entry names: an entry planted in the store for a name the watcher
-has not committed yet never makes it skip the real file. A commit that cannot
-be made now (``enqueue`` raises :class:`CommitDeferred`) blocks its chain until
-the next look, which tries it again.
+which the simulation writes just before it closes the file, and no writer
+holds it any more — and has not changed between two looks. Each writer's
+files form a chain (``thread_0001.h5`` of checkpoint 3 follows
+``thread_0001.h5`` of checkpoint 2; single-file checkpoints follow each
+other); a chain is committed in order and stops at its first file that is
+not ready, so none is skipped. What the log already holds (by name) is not
+committed again, so a restarted watcher goes on where it stopped — but only
+when the file's own SHA-256 is the checkpoint the log's entry names: an
+entry planted in the store for a name the watcher has not committed yet
+never makes it skip the real file. A commit that cannot be made now
+(``enqueue`` raises :class:`CommitDeferred`) blocks its chain until the next
+look, which tries it again.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from collections.abc import Callable
@@ -44,12 +46,41 @@ class CommitRequest:
 
 
 def is_complete(path: Path) -> bool:
-    """True when the HDF5 file at ``path`` has its ``trials_completed`` root attribute."""
+    """True when the HDF5 file at ``path`` has ``trials_completed`` and is closed.
+
+    The attribute can reach the disk a moment before its writer closes the
+    file: until then the writer's HDF5 file lock is held (:func:`held_for_writing`)
+    and the file's last metadata may not be written yet.
+    """
     try:
         with h5py.File(path, "r", locking=False) as f:
-            return COMPLETE_ATTR in f.attrs
+            if COMPLETE_ATTR not in f.attrs:
+                return False
     except (OSError, ValueError, KeyError, RuntimeError):
         return False
+    return not held_for_writing(path)
+
+
+def held_for_writing(path: Path) -> bool:
+    """True when a process holds the file at ``path`` under an exclusive ``flock``.
+
+    libhdf5 takes one on every file it opens for writing (unless file locking
+    is turned off), so a held lock means a writer has it open now. A shared
+    lock is tried and let go at once; a file that cannot be opened is not held.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def file_id(path: Path, block: int = 16 * 1024 * 1024) -> str:

@@ -25,13 +25,14 @@ from chkq.config.routing import CONTROL_QUEUE, TASK_ROUTES, task_queues
 from chkq.config.security import install_signing, signing_config
 from chkq.config.settings import Settings
 
-TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.from_store", "chkq.tasks.commit")
+TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.planning", "chkq.tasks.from_store",
+                "chkq.tasks.commit", "chkq.tasks.follow")
 #: The worker runtime, named here and loaded by Celery where it is used: the consumer in
 #: workers, the transport in every process that talks to a Redis broker.
-CONSUMER_CLASS = "chkq.workers.consumer:GuardedConsumer"
-TRANSPORT_CLASS = "chkq.workers.broker_transport:Transport"
+CONSUMER_CLASS = "chkq.workers.runtime.consumer:GuardedConsumer"
+TRANSPORT_CLASS = "chkq.workers.runtime.broker_transport:Transport"
 #: Mixed into the result backend's class: an outage is never a task's recorded failure.
-BACKEND_MIXIN = "chkq.workers.result_backend:RequeueOutages"
+BACKEND_MIXIN = "chkq.workers.runtime.result_backend:RequeueOutages"
 
 
 
@@ -128,7 +129,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def broker_config(settings: Settings) -> dict[str, Any]:
     """The settings that differ between a Redis and a RabbitMQ broker.
 
-    Redis: chkq's transport (:mod:`chkq.workers.broker_transport`) with its
+    Redis: chkq's transport (:mod:`chkq.workers.runtime.broker_transport`) with its
     visibility timeout and restore sweep. RabbitMQ: kombu's py-amqp
     transport with publisher confirms (a task is sent once the broker has
     it, or the sender gets an error), heartbeats (a silent peer's

@@ -9,8 +9,8 @@ whose own ``task_time_limit`` went into every message) could therefore run a
 task for as long as they liked: past the Redis visibility timeout, so that the
 message is delivered again and runs twice at once.
 
-:class:`chkq.workers.request.WorkerLimitsRequest` is the request class of every chkq task (the
-app's ``task_cls`` and :class:`chkq.tasks.base.ChkqTask` name it). It caps
+:class:`chkq.workers.runtime.request.WorkerLimitsRequest` is the request class of every chkq
+task (the app's ``task_cls`` and :class:`chkq.tasks.base.ChkqTask` name it). It caps
 the message's limits at the worker's own (``CHKQ_TIME_LIMIT``,
 ``CHKQ_SOFT_TIME_LIMIT``, kept in the app's configuration under
 :data:`CONF_KEY`), treats a missing, zero, negative or non-numeric limit as
@@ -31,7 +31,7 @@ from chkq.errors import ConfigurationError
 CONF_KEY = "chkq_time_limits"
 
 #: Request class path, as Celery's ``Task.Request`` and ``task_cls`` expect it.
-REQUEST_CLASS = "chkq.workers.request:WorkerLimitsRequest"
+REQUEST_CLASS = "chkq.workers.runtime.request:WorkerLimitsRequest"
 
 
 def _positive(value: Any) -> float | None:

@@ -34,6 +34,7 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     "chkq.fail": {"queue": CONTROL_QUEUE},
     "chkq.copy": {"queue": COPY_QUEUE},
     "chkq.verify": {"queue": VERIFY_QUEUE},
+    "chkq.version": {"queue": COPY_QUEUE},
     "chkq.commit": {"queue": COMMIT_QUEUE},
 }
 

@@ -19,7 +19,7 @@ the Redis password keeps such parties off the broker in the first place.
 
 chkq's own job records in the result backend are not Celery's to sign: they
 are sealed with an HMAC under :func:`record_key`, derived from the same
-private key (:mod:`chkq.tasks.protocol`).
+private key (:mod:`chkq.jobs.sealed`).
 
 Celery's ``auth`` deserializer decodes the signed bytes with the content type
 named *beside* the signature, outside what is signed, and with ``force=True``
@@ -165,3 +165,26 @@ def record_key(settings: Settings) -> bytes | None:
                                      serialization.NoEncryption())
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
                 info=RECORD_KEY_INFO).derive(material)
+
+
+def user_keys_dir() -> Path | None:
+    """The directory of users' keys workers check submitters against, or None (one party).
+
+    ``CHKQ_USER_KEYS_DIR`` (:mod:`chkq.identity`): with it, a worker runs a
+    job only for a user who proves who they are and could do it themselves.
+
+    Raises
+    ------
+    ConfigurationError
+        If it is set but is not an absolute path to a directory.
+    """
+    from chkq.identity import KEYS_VARIABLE
+
+    raw = os.environ.get(KEYS_VARIABLE)
+    if not raw:
+        return None
+    path = Path(raw)
+    if not path.is_absolute() or not path.is_dir():
+        raise ConfigurationError(f"{KEYS_VARIABLE}={raw!r} must be an absolute path to a "
+                                 "directory of users' keys (USER.key)")
+    return path

@@ -1,19 +1,29 @@
 """Typed settings read from the environment.
 
-Every knob chkq has lives here, read once from ``CHKQ_*`` variables, so that
-tasks and the command line share one source of truth and tasks never reach
-up into the command line for their configuration.
+Every knob chkq has lives here, in one table (:data:`VARIABLES`: each
+``CHKQ_*`` variable's name, default, kind and help), read once into
+:class:`Settings`, so that tasks and the command line share one source of
+truth; the core takes what it needs as arguments (:meth:`Settings.core`).
+The rows of the core's own variables are defined in :mod:`chkq.environment`;
+a program using the library without settings gets the same defaults from
+them (:meth:`chkq.core_settings.CoreSettings.from_env`).
+The settings table of ``docs/cluster.md`` is :func:`markdown_table` (checked
+by a test).
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from chkq.core_settings import CoreSettings
+from chkq.environment import CORE_VARIABLES, Variable
 from chkq.errors import ConfigurationError
+from chkq.log.signing import LogTrust, trust_from_files
+from chkq.stores.retry import StoreTimeouts
 
 MiB = 1024 * 1024
 
@@ -30,14 +40,81 @@ def broker_scheme(url: str | None) -> str | None:
     return scheme.lower() if sep else None
 
 
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
+#: Variables of the layers above the core (those of the core are in :mod:`chkq.environment`).
+BROKER_URL = Variable(
+    "CHKQ_BROKER_URL", "broker_url", None, "url",
+    "URL of the broker: Redis (`redis://`) or RabbitMQ (`amqp://`)", "unset: embedded cluster")
+RESULT_BACKEND = Variable(
+    "CHKQ_RESULT_BACKEND", "result_backend", None, "url",
+    "Redis URL of the job state (results, progress, the job's records); required when the "
+    "broker is `amqp://`", "the broker")
+
+#: Every ``CHKQ_*`` variable chkq reads, in the order of the settings table of the docs:
+#: name, the :class:`Settings` field, default, kind, help (see :class:`Variable`).
+VARIABLES: tuple[Variable, ...] = (
+    BROKER_URL,
+    RESULT_BACKEND,
+    Variable("CHKQ_BLOCK_BYTES", "block_bytes", 64 * MiB, "integer",
+             "rows a task holds in memory", "64 MiB"),
+    Variable("CHKQ_MAX_DECODED_BYTES", "max_decoded_bytes", 1 << 40, "integer",
+             "most bytes a job's compressed rows may decode to, all checkpoints together (read "
+             "by the worker that plans)", "1 TiB"),
+    Variable("CHKQ_TASK_BYTES", "task_bytes", 64 * MiB, "integer",
+             "bytes of rows one copy/verify task handles at most (see `CHKQ_TASK_SECONDS`)",
+             "64 MiB"),
+    Variable("CHKQ_TASK_FILES", "task_files", 64, "integer",
+             "files one copy/verify task opens at most", "64"),
+    Variable("CHKQ_TASK_SECONDS", "task_seconds", 0, "integer",
+             "time budget of one copy/verify task: units are cut to what the slowest node was "
+             "measured to move in this long (at most half the soft limit)",
+             "a quarter of the soft limit (60 s)"),
+    Variable("CHKQ_SOFT_TIME_LIMIT", "soft_time_limit", 240, "integer",
+             "per-task soft limit, the worker's: a message may ask for a shorter one, never "
+             "longer", "240 s"),
+    Variable("CHKQ_TIME_LIMIT", "time_limit", 300, "integer",
+             "per-task hard limit, the worker's: a message may ask for a shorter one, never "
+             "longer", "300 s"),
+    Variable("CHKQ_VISIBILITY_TIMEOUT", "visibility_timeout", 420, "integer",
+             "Redis broker: redelivery of unacknowledged messages, so also how long a lost "
+             "node's tasks wait; must be at least `CHKQ_TIME_LIMIT` + a tenth of it (at most "
+             "60 s), or chkq refuses to start", "420 s"),
+    Variable("CHKQ_RESTORE_INTERVAL", "restore_interval", 0, "integer",
+             "Redis broker: seconds between the sweeps that hand messages past the visibility "
+             "timeout back", "a tenth of the visibility timeout, 1–60 s"),
+    Variable("CHKQ_BROKER_HEARTBEAT", "broker_heartbeat", 20, "integer",
+             "RabbitMQ broker: AMQP heartbeat; a silent peer is dropped after about twice "
+             "this. 0: off", "20 s"),
+    Variable("CHKQ_RESULT_EXPIRES", "result_expires", 7 * 24 * 3600, "integer",
+             "seconds results are kept in the backend", "7 days"),
+    Variable("CHKQ_MAX_REDELIVERIES", "max_redeliveries", 3, "integer",
+             "a task that kills its worker this often fails its job", "3"),
+    Variable("CHKQ_ALLOWED_ROOTS", "allowed_roots", (), "paths",
+             "`:`-separated directories tasks may touch (run directories, checkpoint files, "
+             "`file://` stores); set it in every deployment", "unset: anywhere"),
+    Variable("CHKQ_SECURITY_KEY", "security_key", None, "path",
+             "PEM RSA private key task and control messages and job records are signed with "
+             "(all three `CHKQ_SECURITY_*` or none)", "unset: off"),
+    Variable("CHKQ_SECURITY_CERTIFICATE", "security_certificate", None, "path",
+             "its PEM certificate", "unset: off"),
+    Variable("CHKQ_SECURITY_CERT_STORE", "security_cert_store", None, "path",
+             "directory of the PEM certificates whose signatures workers accept", "unset: off"),
+    Variable("CHKQ_SCRATCH_DIR", "scratch_dir", None, "path",
+             "a worker's private directory where a store job is fetched, consolidated and "
+             "verified", "`~/.cache/chkq/scratch-UID`"),
+    Variable("CHKQ_UPLOAD_PART_BYTES", "upload_part_bytes", 16 * MiB, "integer",
+             "bytes per part when a store job's output is published", "16 MiB"),
+    *CORE_VARIABLES,
+    Variable("CHKQ_FLOWER_BASIC_AUTH", "flower_basic_auth", None, "text",
+             "`user:password[,user2:password2]` for `chkq flower`; required beyond loopback",
+             "unset: a password generated per run"),
+)
+
+
+def markdown_table() -> str:
+    """The settings table of ``docs/cluster.md``, one row a variable, from :data:`VARIABLES`."""
+    rows = ["| variable | default | what it sets |", "|---|---|---|"]
+    rows += [f"| `{v.name}` | {v.shown} | {v.help} |" for v in VARIABLES]
+    return "\n".join(rows)
 
 
 @dataclass(frozen=True)
@@ -56,6 +133,11 @@ class Settings:
     block_bytes
         Bytes of rows a task holds in memory at once (``CHKQ_BLOCK_BYTES``,
         default 64 MiB).
+    max_decoded_bytes
+        Most bytes a job's filtered (compressed) rows may decode to, all
+        checkpoints together (``CHKQ_MAX_DECODED_BYTES``, default 1 TiB):
+        what a job may cost in decoding, since compressed chunks may declare
+        any multiple of what they store.
     task_bytes
         Bytes of rows one copy or verify task handles before the planner
         splits the work into another task (``CHKQ_TASK_BYTES``).
@@ -110,7 +192,9 @@ class Settings:
         (:mod:`chkq.config.security`); off when unset.
     scratch_dir
         This worker's private working directory (``CHKQ_SCRATCH_DIR``; default
-        ``chkq-scratch-UID`` in the temporary directory): where a job whose
+        ``$XDG_CACHE_HOME/chkq/scratch-UID``, else ``~/.cache/chkq/scratch-UID``:
+        in the user's own home, where no other user can create it first, unlike
+        a name in the shared temporary directory): where a job whose
         checkpoints are in an object store is fetched, consolidated and
         verified before its output is published to the store. Created mode
         0700; one that is a link, another user's, or open to others is refused.
@@ -127,11 +211,22 @@ class Settings:
         from the broker notices as fast. 0 turns heartbeats off (a node lost
         without closing its sockets then holds its tasks until TCP gives up,
         up to hours).
+    store_connect_timeout, store_read_timeout, store_retry_seconds, store_complete_timeout
+        Waits of the network stores (``CHKQ_STORE_*``; :attr:`store_timeouts`).
+    log_signing_key, log_trusted_keys, log_max_checkpoint_bytes
+        The log's keys and size cap (``CHKQ_LOG_*``; :meth:`log_trust`).
+    user_keys_dir, user_key
+        Users' keys (``CHKQ_USER_KEYS_DIR``, ``CHKQ_USER_KEY``; :mod:`chkq.identity`).
+    flower_basic_auth
+        Credentials of ``chkq flower`` (``CHKQ_FLOWER_BASIC_AUTH``).
+
+    Each attribute is a row of :data:`VARIABLES` (name, default, kind, help).
     """
 
     broker_url: str | None = None
     result_backend: str | None = None
     block_bytes: int = 64 * MiB
+    max_decoded_bytes: int = 1 << 40
     task_bytes: int = 64 * MiB
     task_files: int = 64
     task_seconds: int = 0
@@ -149,40 +244,55 @@ class Settings:
     upload_part_bytes: int = 16 * MiB
     # Several nodes: the broker's kind and how a lost peer is noticed.
     broker_heartbeat: int = 20
+    store_connect_timeout: float = 5.0
+    store_read_timeout: float = 15.0
+    store_retry_seconds: float = 20.0
+    store_complete_timeout: float = 300.0
+    log_signing_key: str | None = None
+    log_trusted_keys: str | None = None
+    log_max_checkpoint_bytes: int = 4 << 30
+    user_keys_dir: str | None = None
+    user_key: str | None = None
+    flower_basic_auth: str | None = None
 
     @classmethod
-    def from_env(cls) -> Settings:
-        """Read settings from ``CHKQ_*`` environment variables."""
-        broker = os.environ.get("CHKQ_BROKER_URL") or None
-        settings = cls(
-            broker_url=broker,
-            result_backend=os.environ.get("CHKQ_RESULT_BACKEND") or broker,
-            block_bytes=_int("CHKQ_BLOCK_BYTES", cls.block_bytes),
-            task_bytes=_int("CHKQ_TASK_BYTES", cls.task_bytes),
-            task_files=_int("CHKQ_TASK_FILES", cls.task_files),
-            task_seconds=_int("CHKQ_TASK_SECONDS", cls.task_seconds),
-            soft_time_limit=_int("CHKQ_SOFT_TIME_LIMIT", cls.soft_time_limit),
-            time_limit=_int("CHKQ_TIME_LIMIT", cls.time_limit),
-            visibility_timeout=_int("CHKQ_VISIBILITY_TIMEOUT", cls.visibility_timeout),
-            restore_interval=_int("CHKQ_RESTORE_INTERVAL", cls.restore_interval),
-            result_expires=_int("CHKQ_RESULT_EXPIRES", cls.result_expires),
-            max_redeliveries=_int("CHKQ_MAX_REDELIVERIES", cls.max_redeliveries),
-            allowed_roots=tuple(
-                p for p in os.environ.get("CHKQ_ALLOWED_ROOTS", "").split(os.pathsep) if p),
-            security_key=os.environ.get("CHKQ_SECURITY_KEY") or None,
-            security_certificate=os.environ.get("CHKQ_SECURITY_CERTIFICATE") or None,
-            security_cert_store=os.environ.get("CHKQ_SECURITY_CERT_STORE") or None,
-            scratch_dir=os.environ.get("CHKQ_SCRATCH_DIR") or None,
-            upload_part_bytes=_int("CHKQ_UPLOAD_PART_BYTES", cls.upload_part_bytes),
-            broker_heartbeat=_int("CHKQ_BROKER_HEARTBEAT", cls.broker_heartbeat),
-        )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Read settings from the ``CHKQ_*`` variables of :data:`VARIABLES` (``os.environ``)."""
+        found = os.environ if env is None else env
+        values = {v.field: v.read(found) for v in VARIABLES}
+        values["result_backend"] = values["result_backend"] or values["broker_url"]
+        settings = cls(**values)
         settings.check()
         return settings
+
+    @property
+    def store_timeouts(self) -> StoreTimeouts:
+        """How long network stores wait (``CHKQ_STORE_*``): ``open_store(url, timeouts=...)``."""
+        return StoreTimeouts(connect=self.store_connect_timeout, read=self.store_read_timeout,
+                             budget=self.store_retry_seconds,
+                             complete=self.store_complete_timeout)
+
+    def log_trust(self) -> LogTrust:
+        """The log keys (``CHKQ_LOG_*_KEY*``), for ``CheckpointLog(..., trust=...)``.
+
+        Raises
+        ------
+        LogKeyError
+            If a configured file cannot be used.
+        """
+        return trust_from_files(self.log_signing_key, self.log_trusted_keys)
+
+    def core(self) -> CoreSettings:
+        """What the core takes as arguments (:class:`chkq.core_settings.CoreSettings`)."""
+        return CoreSettings(timeouts=self.store_timeouts, trust=self.log_trust(),
+                            max_checkpoint=self.log_max_checkpoint_bytes)
 
     def check(self) -> None:
         """Refuse settings that would make tasks run twice at once or loop."""
         if self.block_bytes < 1:
             raise ConfigurationError("CHKQ_BLOCK_BYTES must be positive")
+        if self.max_decoded_bytes < 1:
+            raise ConfigurationError("CHKQ_MAX_DECODED_BYTES must be positive")
         if self.upload_part_bytes < 1:
             raise ConfigurationError("CHKQ_UPLOAD_PART_BYTES must be positive")
         if self.task_bytes < 1 or self.task_files < 1:
@@ -244,7 +354,9 @@ class Settings:
         """The scratch directory's path (not created: :func:`chkq.fsutil.private_directory`)."""
         if self.scratch_dir:
             return Path(self.scratch_dir).absolute()
-        return Path(tempfile.gettempdir()) / f"chkq-scratch-{os.getuid()}"
+        cache = os.environ.get("XDG_CACHE_HOME", "")
+        base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
+        return base / "chkq" / f"scratch-{os.getuid()}"
 
     @property
     def budget_seconds(self) -> int:

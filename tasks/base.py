@@ -40,14 +40,13 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     PoisonMessageError,
     is_user_error,
 )
+from chkq.jobs import keys
 
 log = logging.getLogger("chkq.tasks")
 
 PROGRESS = "PROGRESS"
 PROGRESS_INTERVAL = 0.5
 
-#: Redis hash (result backend) per kind of work: node name -> ``[bytes per second, when]``.
-RATE_KEY = "chkq-rate-{kind}"
 #: Kinds of work whose rate is measured.
 RATE_KINDS = ("copy", "verify", "merge")
 #: Only tasks that moved this many bytes or ran this long are timed. A rate only matters
@@ -76,7 +75,7 @@ def slowest_rates(app: Any, now: float | None = None) -> dict[str, float | None]
     if client is None:
         return rates
     for kind in RATE_KINDS:
-        for raw in client.hvals(RATE_KEY.format(kind=kind)):
+        for raw in client.hvals(keys.rate(kind)):
             try:
                 rate, when = json.loads(raw)
                 rate, when = float(rate), float(when)
@@ -86,16 +85,6 @@ def slowest_rates(app: Any, now: float | None = None) -> dict[str, float | None]
                 old = rates[kind]
                 rates[kind] = rate if old is None else min(old, rate)
     return rates
-
-
-def deliveries_key(task_id: str, retries: int = 0, replaced: int = 0) -> str:
-    """Redis key (result backend) counting deliveries of one task message.
-
-    A task that replaced itself (``Task.replace``, as ``chkq.plan`` does for
-    a large run) hands its id on: ``replaced`` (the replacement's nesting)
-    keeps the two messages' counts apart.
-    """
-    return f"chkq-deliveries-{task_id}-{retries}" + (f"-r{replaced}" if replaced else "")
 
 
 class ChkqTask(Task):
@@ -116,7 +105,7 @@ class ChkqTask(Task):
         task_id = self.request.id
         if client is None or task_id is None:
             return
-        key = deliveries_key(task_id, self.request.retries or 0,
+        key = keys.deliveries(task_id, self.request.retries or 0,
                              self.request.get("replaced_task_nesting") or 0)
         count = client.incr(key)
         client.expire(key, get_settings().result_expires)
@@ -134,7 +123,7 @@ class ChkqTask(Task):
             return
         if nbytes < RATE_MIN_BYTES and seconds < RATE_MIN_SECONDS:
             return
-        key = RATE_KEY.format(kind=kind)
+        key = keys.rate(kind)
         client.hset(key, node, json.dumps([nbytes / seconds, time.time()]))
         client.expire(key, RATE_MAX_AGE)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from chkq.access import resolve_allowed
+from chkq.backoff import Backoff
 from chkq.config.celery_app import get_app, get_settings
 from chkq.errors import BadMessageError, BadMessageTypeError
 from chkq.log import CheckpointLog
@@ -58,9 +59,16 @@ def wait_for_parent(log: CheckpointLog, parent: str, seconds: float) -> bool:
     return True
 
 
+#: Waits before retrying a commit whose parent is not in the log yet.
+PARENT_BACKOFF = Backoff(0.25, 5.0)
+#: Waits before retrying a commit that failed on a transient store error (Celery's own
+#: jittered backoff, given this policy's numbers).
+STORE_BACKOFF = Backoff(1.0, 30.0, jitter=True)
+
+
 def parent_wait(retries: int) -> float:
     """Seconds before retrying a commit whose parent is not in the log yet."""
-    return float(min(5.0, 0.25 * 2 ** min(retries, 5)))
+    return PARENT_BACKOFF.wait(retries)
 
 
 def checkpoint_source(path: Any) -> Path:
@@ -98,7 +106,9 @@ def _commit_message(self: ChkqTask, store_url: str, run: str, path: str | None =
     if location.local_root is not None:
         resolve_allowed(location.local_root, get_settings().allowed_roots)
     source = checkpoint_source(path)
-    log = CheckpointLog(location.open(), run)
+    core = get_settings().core()
+    log = CheckpointLog(location.open(timeouts=core.timeouts), run, trust=core.trust,
+                        max_checkpoint=core.max_checkpoint)
     return Checked(run, (log, source, wanted), {},
                    {"store": log.store.url, "source": str(source)})
 
@@ -114,9 +124,9 @@ def _summary(record: dict[str, Any]) -> dict[str, Any]:
     bind=True,
     base=ChkqTask,
     autoretry_for=(TransientStoreError, FileChangedError),
-    retry_backoff=1,
-    retry_backoff_max=30,
-    retry_jitter=True,
+    retry_backoff=STORE_BACKOFF.first,
+    retry_backoff_max=STORE_BACKOFF.most,
+    retry_jitter=STORE_BACKOFF.jitter,
     max_retries=MAX_RETRIES,
 )
 @task_lifecycle(_commit_message, _summary)

@@ -15,7 +15,7 @@ copies rewrite the same bytes, verification re-reads, merge is recorded
 once, link recognises its own output. Task and group ids are derived from
 the job id, so a step delivered twice launches the same tasks, which the
 chord counts once. Each step records what it did in the job's state
-(:mod:`chkq.tasks.protocol`), and the link publishes only what those
+(:mod:`chkq.jobs`), and the link publishes only what those
 records prove.
 
 The job's result lives under the job id, the id of ``chkq.link``: success
@@ -41,64 +41,42 @@ from chkq.access import check_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.consolidation.copy_rows import copy_unit
 from chkq.consolidation.discovery import (
-    Checkpoint,
     check_model_name,
-    check_numbering,
     check_out_dir,
 )
 from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
 from chkq.consolidation.merge import merge_items, merge_piece, next_piece, remove_parts
 from chkq.consolidation.output_check import check_plan_output
 from chkq.consolidation.plan import Plan, unit_bytes
-from chkq.consolidation.prepare import (
-    SCAN_FILES,
-    ScannedFile,
-    checkpoints_from_record,
-    checkpoints_to_record,
-    find_run,
-    job_files,
-    prepare,
-    run_files,
-    scan_files,
-    scan_units,
-    scans_from_record,
-    scans_to_record,
-)
 from chkq.consolidation.temporaries import JobFiles, check_job_id
 from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
 from chkq.errors import (
     BadMessageError,
     BadMessageTypeError,
     ChkqError,
-    JobStateGoneError,
+    ForgedRecordError,
     UnprovenJobError,  # noqa: F401 (re-exported)
 )
 from chkq.fsutil import WRITE_ERRNOS, write_failure
-from chkq.lru import LRU
-from chkq.rundir import RunDir
-from chkq.tasks import protocol
+from chkq.jobs.proof import output_stamp, prove, verify_unit_count
+from chkq.jobs.records import task_id
 from chkq.tasks.base import Checked, ChkqTask, JobInterruptedError, slowest_rates, task_lifecycle
+from chkq.tasks.canvas import consolidation_signature, fail_signature, failing_task, root_cause
 from chkq.tasks.from_store import (
+    check_planned_sources,
     discard_workspace,
     in_store_terms,
     placed_queue,
     publish_output,
-    scratch_roots,
+    scratch_job,
     store_job,
 )
-from chkq.tasks.protocol import (
-    consolidation_signature,
-    fail_signature,
-    failing_task,
-    finished_result,
-    record_finished,
-    root_cause,
-    task_id,
-)
+from chkq.tasks.parties import authorize_link
+from chkq.tasks.state import records, worker_roots
 
 log = logging.getLogger("chkq.tasks")
 
-__all__ = ["consolidation_signature", "root_cause", "task_id"]  # re-exported from protocol
+__all__ = ["consolidation_signature", "root_cause", "task_id"]  # re-exported
 
 
 def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
@@ -109,14 +87,13 @@ def _checked(out_dir: str, model: str, job: str) -> tuple[Path, str, str]:
     """
     if not isinstance(out_dir, str) or not Path(out_dir).is_absolute():
         raise BadMessageError(f"output directory {out_dir!r} must be an absolute path")
-    roots = get_settings().allowed_roots
-    check_allowed(out_dir, roots and roots + scratch_roots())
+    check_allowed(out_dir, worker_roots())
     directory = check_out_dir(os.path.realpath(out_dir))
     return directory, check_model_name(model), check_job_id(job)
 
 
 def _stop_if_cancelled(job: str) -> None:
-    if protocol.cancelled(job) is not None:
+    if records().cancelled(job) is not None:
         log.warning("job=%s was cancelled: task %s not run", job, job)
         raise Ignore()
 
@@ -185,7 +162,7 @@ def launch_verification(plan: Plan) -> None:
         placed(verify.si(out_dir, model, job, i, files=describe_files(plan, i)).set(
             task_id=task_id(job, "verify", i)
         ), queue)
-        for i in range(protocol.verify_unit_count(plan))
+        for i in range(verify_unit_count(plan))
     ]
     chord(group(verifies).set(task_id=task_id(job, "verifies")), link_sig).apply_async()
 
@@ -244,186 +221,20 @@ def _what(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     return what
 
 
-@get_app().task(name="chkq.plan", bind=True, base=ChkqTask)
-@job_step
-def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
-             cleanup: bool = False, allow_gaps: bool = False) -> dict[str, Any]:
-    """Check the run, write the skeleton, record the plan, and launch the copies.
-
-    A run of more than ``SCAN_FILES`` files is first scanned by scan units
-    in parallel: this step replaces itself with them, and runs again (same
-    id) as their chord's callback. A gap in the checkpoint numbers is
-    refused unless ``allow_gaps``.
-    """
-    if not isinstance(cleanup, bool):
-        raise BadMessageTypeError(f"cleanup must be true or false, got {cleanup!r}")
-    if not isinstance(allow_gaps, bool):
-        raise BadMessageTypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
-    plan = protocol.recorded_plan(job)
-    if plan is None:
-        settings = get_settings()
-        rates = slowest_rates(self.app)
-        budget = settings.budget_seconds
-        plan = protocol.store_plan(prepare(
-            out_dir, model, job, cleanup=cleanup, block_bytes=settings.block_bytes,
-            task_bytes=unit_bytes(settings.task_bytes, rates["copy"], budget),
-            verify_bytes=unit_bytes(settings.task_bytes, rates["verify"], budget),
-            task_files=settings.task_files,
-            run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps),
-            allow_gaps=allow_gaps,
-        ))
-        _warn_long_tasks(plan, rates, settings.soft_time_limit)
-    launch_copies(plan)
-    return {
-        "model": model,
-        "out_dir": out_dir,
-        "files": len(plan.files),
-        "datasets": len(plan.datasets),
-        "rows": plan.total_rows,
-        "bytes": sum(d.total * d.row_bytes for d in plan.datasets),
-        "copy_units": len(plan.copy_units),
-        "verify_units": protocol.verify_unit_count(plan),
-    }
-
-
-def unit_sizes(plan: Plan) -> dict[str, int]:
-    """Plain bytes of the largest task of each kind the plan makes: copy, verify, merge.
-
-    The largest piece of a merge that cannot be cut is one item: a part file, or a
-    file's rows of the variable-length datasets.
-    """
-    def file_bytes(index: int) -> int:
-        return sum((d.offsets[index + 1] - d.offsets[index]) * d.row_bytes
-                   for d in plan.datasets)
-
-    copies = [sum((stop - start) * plan.datasets[i].row_bytes for i, start, stop in u.pieces)
-              for u in plan.copy_units]
-    verifies = [sum(file_bytes(f) for f in range(first, stop))
-                for first, stop in plan.verify_units]
-    return {"copy": max(copies, default=0), "verify": max(verifies, default=0),
-            "merge": max((item.bytes for item in merge_items(plan)), default=0)}
-
-
-def _warn_long_tasks(plan: Plan, rates: dict[str, float | None], soft_limit: int) -> None:
-    """Log a warning for each kind of task of ``plan`` expected to outlast half the soft limit.
-
-    Units are cut to the time budget, but some work cannot be cut: a part
-    file or a file's variable-length rows is merged by one piece of the
-    merge, a variable-length dataset is copied by one task, a file is
-    verified by one. At the slowest rate measured, a job with too much
-    of such work would be stopped by its time limit; the warning names the
-    settings to raise.
-    """
-    for kind, size in unit_sizes(plan).items():
-        rate = rates.get(kind)
-        if rate is None or not size / rate > soft_limit / 2:
-            continue
-        log.warning("job=%s a %s task of %d bytes is expected to take %.0f s at %.0f bytes/s, "
-                    "more than half of CHKQ_SOFT_TIME_LIMIT (%d s): raise CHKQ_TIME_LIMIT, "
-                    "CHKQ_SOFT_TIME_LIMIT and CHKQ_VISIBILITY_TIMEOUT together for such jobs",
-                    plan.job_id, kind, size, size / rate, rate, soft_limit)
-
-
-def _scanned_run(task: ChkqTask, out_dir: str, model: str, job: str, cleanup: bool,
-                 allow_gaps: bool = False) -> tuple[list[Checkpoint], list[ScannedFile]] | None:
-    """The run's checkpoints and every file's scan, as the scan units recorded them.
-
-    None for a run small enough to scan in the planning step itself. For a
-    larger run not yet scanned, the planning step is replaced by a chord of
-    scan units whose callback is the planning step again.
-    """
-    recorded = protocol.recorded_run(job, out_dir, model)
-    if recorded is None:
-        job_files(out_dir, model, job)
-        with RunDir.open(out_dir, exact=True) as run:
-            checkpoints = find_run(Path(out_dir), model, run, allow_gaps=allow_gaps)
-        gap = check_numbering(checkpoints, model, allow_gaps=True)
-        if gap:
-            log.warning("job=%s %s (allowed by its submitter)", job, gap)
-        if len(run_files(checkpoints)) <= SCAN_FILES:
-            return None
-        recorded = protocol.record_run(job, out_dir, model, checkpoints_to_record(checkpoints))
-    checkpoints = _checked_run(recorded, out_dir, model, job)
-    paths = run_files(checkpoints)
-    units = scan_units(len(paths))
-    records = protocol.scanned(job, len(units))
-    if records is not None:
-        now = find_run(Path(out_dir), model, allow_gaps=allow_gaps)
-        if now != checkpoints:
-            changed = next((str(a.path) for a, b in zip(now, checkpoints, strict=False)
-                            if a != b), str((now if len(now) > len(checkpoints)
-                                             else checkpoints)[-1].path))
-            raise BadMessageError(f"the checkpoints recorded for job {job} are not the run's as it "
-                             f"is now (first difference: {changed!r}): the run changed while it "
-                             "was scanned, or the record is not the job's own; nothing was "
-                             "written")
-        return checkpoints, [s for record in records for s in scans_from_record(record)]
-    if task.request.get("replaced_task_nesting", 0):
-        raise UnprovenJobError(f"job {job} cannot be planned: its scan units finished "
-                               "without recording their scans")
-    queue = placed_queue(job, out_dir)
-    scans = [
-        placed(scan.si(out_dir, model, job, i, files=_names(out_dir, paths[first:stop])).set(
-            task_id=task_id(job, "scan", i)), queue)
-        for i, (first, stop) in enumerate(units)
-    ]
-    body = placed(plan_job.si(out_dir, model, job, cleanup=cleanup,
-                              **({"allow_gaps": True} if allow_gaps else {})), queue)
-    raise task.replace(chord(group(scans).set(task_id=task_id(job, "scans")), body))
-
-
-#: The files of the runs this process scanned last, by job: a run of 20,000 files has a
-#: list of a megabyte and a half, which every one of its scan units would parse again.
-RUN_FILES_CACHE = 4
-_RUN_FILES: LRU[str, tuple[str, str, list[Path]]] = LRU(RUN_FILES_CACHE)
-
-
-def _recorded_files(job: str, out_dir: str, model: str) -> list[Path]:
-    """The files recorded for ``job``'s scan units (FileNotFoundError if none)."""
-    cached = _RUN_FILES.get(job)
-    if cached is None or cached[:2] != (out_dir, model):
-        recorded = protocol.recorded_run(job, out_dir, model)
-        if recorded is None:
-            raise JobStateGoneError(
-                f"consolidation job {job} has no recorded checkpoints to scan")
-        cached = (out_dir, model, run_files(_checked_run(recorded, out_dir, model, job)))
-        _RUN_FILES.put(job, cached)
-    return cached[2]
-
-
-def _checked_run(recorded: list[Any], out_dir: str, model: str, job: str) -> list[Checkpoint]:
-    """The checkpoints of a job's run record, each checked to be one of the run's by name."""
-    return protocol.check_recorded_checkpoints(
-        checkpoints_from_record(recorded), out_dir, model,
-        f"the run record of job {job} ({protocol.record_key_of(job, 'run')})")
-
-
-@get_app().task(name="chkq.scan", bind=True, base=ChkqTask)
-@job_step
-def scan(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
-         **what: Any) -> dict[str, Any]:
-    """Scan one unit of a large run's files (stamp, skeleton, row counts) and record it."""
-    paths = _recorded_files(job, out_dir, model)
-    units = scan_units(len(paths))
-    first, stop = units[_checked_unit(unit, len(units), job, "scan")]
-    protocol.record_scanned(job, unit, scans_to_record(scan_files(paths[first:stop], out_dir)))
-    return {"files": stop - first}
-
-
 @get_app().task(name="chkq.copy", bind=True, base=ChkqTask)
 @job_step
 def copy(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
          **what: Any) -> dict[str, Any]:
     """Copy one unit of rows into the output (raw chunks or a part file)."""
-    plan = protocol.load_plan(job, out_dir, model)
+    plan = records().load_plan(job, out_dir, model)
     unit = _checked_unit(unit, len(plan.copy_units), job, "copy")
-    if protocol.merged(job) is not None:
+    if records().merged(job) is not None:
         raise Ignore()
     total = describe_unit(plan, unit)["rows"]
     started = time.monotonic()
     stats = copy_unit(plan, unit, lambda done: self.report(done, total, job=job, kind="copy"))
     self.record_rate("copy", stats.bytes, time.monotonic() - started)
-    protocol.record_copied(job, unit, stats.digests)
+    records().record_copied(job, unit, stats.digests)
     self.report(stats.rows, stats.rows, job=job, kind="copy")
     return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
 
@@ -438,31 +249,32 @@ def merge(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     budget), fsyncs the output, records the piece's items, and, while items remain,
     replaces itself (same id) by the next piece: pieces run one after another, never two
     at once, and a cancelled job stops between them. A piece delivered again does its
-    items again, which writes the same bytes at the same places. The last piece records
+    items again, which writes the same rows at the same places (variable-length rows'
+    heap collections copied again, past the earlier copies). The last piece records
     the output's stamp, removes the part files and launches verification.
     """
-    plan = protocol.load_plan(job, out_dir, model)
+    plan = records().load_plan(job, out_dir, model)
     moved = 0
-    if protocol.merged(job) is None:
-        gaps = [u for u in range(len(plan.copy_units)) if u not in protocol.copied(job)]
+    if records().merged(job) is None:
+        gaps = [u for u in range(len(plan.copy_units)) if u not in records().copied(job)]
         if gaps:
             raise UnprovenJobError(f"job {job} cannot merge: copy units {gaps[:5]} "
                                    "did not finish")
         items = merge_items(plan)
-        done = protocol.merge_items_done(job)
+        done = records().merge_items_done(job)
         piece = next_piece(items, done, merge_piece_bytes(self))
         started = time.monotonic()
         moved = merge_piece(plan, items, piece)
         # Timed against the rows' plain size, which the planner knows in advance.
         self.record_rate("merge", sum(items[n].bytes for n in piece),
                          time.monotonic() - started)
-        protocol.record_merge_items(job, piece, moved)
+        records().record_merge_items(job, piece, moved)
         if len(done | set(piece)) < len(items):
             log.info("job=%s merged %d of %d part files and files of variable-length rows",
                      job, len(done | set(piece)), len(items))
             raise self.replace(placed(merge.si(out_dir, model, job),
                                       placed_queue(job, out_dir)))
-        protocol.record_merged(plan)
+        records().record_merged(job, output_stamp(plan))
         remove_parts(plan)
     launch_verification(plan)
     return {"bytes": moved}
@@ -480,28 +292,28 @@ def merge_piece_bytes(task: ChkqTask) -> int:
 def verify(self: ChkqTask, out_dir: str, model: str, job: str, unit: int,
            **what: Any) -> dict[str, Any]:
     """Verify the output: the rows of a batch of files, or (last unit) the whole structure."""
-    plan = protocol.load_plan(job, out_dir, model)
-    unit = _checked_unit(unit, protocol.verify_unit_count(plan), job, "verify")
-    stamp = protocol.merged(job)
+    plan = records().load_plan(job, out_dir, model)
+    unit = _checked_unit(unit, verify_unit_count(plan), job, "verify")
+    stamp = records().merged(job)
     if stamp is None:
         raise UnprovenJobError(f"job {job} cannot be verified before its merge finished")
     if unit == len(plan.verify_units):
         return _verify_structure(plan, stamp)
     first, stop = plan.verify_units[unit]
     total = sum(plan.file_rows(i) for i in range(first, stop))
-    digests = digests_by_dataset(protocol.copied(job), plan)
+    digests = digests_by_dataset(records().copied(job), plan)
     started = time.monotonic()
     stats = verify_files(plan, first, stop, digests,
                          lambda done: self.report(done, total, job=job, kind="verify"))
     self.record_rate("verify", stats.bytes, time.monotonic() - started)
-    protocol.record_verified(plan, unit, _still(plan, stamp))
+    records().record_verified(plan.job_id, unit, _still(plan, stamp))
     self.report(stats.rows, stats.rows, job=job, kind="verify")
     return {"rows": stats.rows, "bytes": stats.bytes, "files": stats.files}
 
 
 def _still(plan: Plan, stamp: list[int]) -> list[int]:
     """``stamp`` if the output still has it (it was not changed while being verified)."""
-    if protocol.output_stamp(plan) != stamp:
+    if output_stamp(plan) != stamp:
         raise UnprovenJobError(f"the output of job {plan.job_id} changed while it was verified")
     return stamp
 
@@ -509,7 +321,7 @@ def _still(plan: Plan, stamp: list[int]) -> list[int]:
 def _verify_structure(plan: Plan, stamp: list[int]) -> dict[str, Any]:
     """Check the whole output against its template (links, types, attributes, fixed data)."""
     check_plan_output(plan)
-    protocol.record_verified(plan, len(plan.verify_units), _still(plan, stamp))
+    records().record_verified(plan.job_id, len(plan.verify_units), _still(plan, stamp))
     return {"rows": 0, "bytes": stamp[0], "structure": "ok"}
 
 
@@ -524,19 +336,24 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
     would have. Records that are complete but disagree with the output as
     it is now (it changed after verification) fail the job.
     """
-    done = finished_result(job)
+    done = records().finished_result(job)
     if done is not None:
         return done
-    plan = protocol.load_plan(job, out_dir, model)
-    proof = protocol.prove(plan)
+    plan = records().load_plan(job, out_dir, model)
+    authorize_link(job, out_dir, model, plan.cleanup,
+                   store_job(job) if placed_queue(job, out_dir) else None)
+    proof = prove(records(), plan)
     if proof.unfinished:
         log.warning("job=%s link refused, nothing published: %s", job,
                     "; ".join(proof.unfinished + proof.contradicted))
         raise Ignore()
+    in_store = scratch_job(job, out_dir)
     try:
         if proof.contradicted:
             raise UnprovenJobError(f"job {job} was not published: "
                                    + "; ".join(proof.contradicted))
+        if in_store is not None:
+            check_planned_sources(in_store, job, plan)
         output = link_output(plan)
     except BaseException:
         # Celery makes this step's failure visible before its errback runs: clean up first,
@@ -545,17 +362,17 @@ def link(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
         raise
     warnings = remove_checkpoints(plan) if plan.cleanup else []
     result = {"output": str(output), "rows": plan.total_rows, "files": len(plan.files),
+              "datasets": {f"/{d.name}": d.total for d in plan.datasets},
               "bytes": os.lstat(output).st_size, "warnings": warnings}
-    in_store = store_job(job) if placed_queue(job, out_dir) else None
     if in_store is not None:
         try:
             result |= publish_output(in_store, job, output, [f for f, *_ in plan.files])
         except BaseException as exc:
             discard_workspace(job)
             raise in_store_terms(exc, in_store) from None
-    record_finished(job, result)
+    records().record_finished(job, result)
     discard_job_files(plan.job)
-    protocol.forget_progress(job)
+    records().forget_progress(job)
     if in_store is not None:
         discard_workspace(job)
     return result
@@ -587,7 +404,7 @@ def _trusted(read: Callable[[str], Any], job: str) -> Any:
     """
     try:
         return read(job)
-    except protocol.ForgedRecordError as exc:
+    except ForgedRecordError as exc:
         log.warning("job=%s %s", job, exc)
         return None
 
@@ -636,22 +453,25 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     in_store = _trusted(store_job, job)
     if in_store is not None:
         cause = in_store_terms(cause, in_store)
-    if _trusted(finished_result, job) is not None or _trusted(protocol.failure, job) is not None:
+    jobs = records()
+    if _trusted(jobs.finished_result, job) is not None or _trusted(jobs.failure, job) is not None:
         log.warning("job=%s failure after the job ended ignored: %r", job, cause)
         return
-    if _trusted(protocol.cancelled, job) is not None:
+    if _trusted(records().cancelled, job) is not None:
         _discard_quietly(out_dir, model, job) if out_dir else None
         if in_store is not None:
             discard_workspace(job)
-        protocol.forget_progress(job)
+        records().forget_progress(job)
         return
     removed = _discard_quietly(out_dir, model, job) if out_dir else []
     if in_store is not None:
         discard_workspace(job)
     try:
-        protocol.record_failed(job, task, cause)
-        protocol.forget_refused(job)
-        protocol.forget_progress(job)
+        records().record_failed(job, task, cause)
+        records().forget_refused(job)
+        records().forget_progress(job)
+        if in_store is not None:
+            discard_workspace(job)
     finally:
         log.warning("fail task=chkq.job job=%s model=%s failed=%s error=%r removed=%d", job,
                     model, task, cause, len(removed))

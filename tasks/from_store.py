@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import copy as copying
+import dataclasses
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import chord, group, signature
 
@@ -36,24 +38,39 @@ from chkq.access import resolve_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name
-from chkq.consolidation.store_run import (
+from chkq.consolidation.temporaries import check_job_id
+from chkq.errors import (
+    BadMessageError,
+    BadMessageTypeError,
+    ChkqError,
+    ForgedRecordError,
+    JobStateGoneError,
+    UnprovenJobError,
+)
+from chkq.fsutil import private_directory
+from chkq.jobs import keys
+from chkq.jobs.records import task_id
+from chkq.log.records import OutputEntry
+from chkq.staging import (
+    FetchedFile,
     SourceObject,
     StoreRun,
+    check_room,
     default_output_key,
     delete_sources,
     fetch_objects,
     find_store_run,
 )
-from chkq.consolidation.temporaries import check_job_id
-from chkq.errors import BadMessageError, BadMessageTypeError, ChkqError, JobStateGoneError
-from chkq.fsutil import private_directory
-from chkq.log.checkpoint_log import CheckpointLog
-from chkq.log.records import OutputEntry
+from chkq.staging.listing import open_run_log
 from chkq.stores.publish import Published, publish_file
 from chkq.stores.url import open_store, parse_store_url
-from chkq.tasks import protocol
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
-from chkq.tasks.protocol import consolidation_signature, fail_signature, task_id
+from chkq.tasks.canvas import consolidation_signature, fail_signature
+from chkq.tasks.parties import admit_store_run, authorize_stage
+from chkq.tasks.state import records
+
+if TYPE_CHECKING:
+    from chkq.consolidation.plan import Plan
 
 log = logging.getLogger("chkq.tasks")
 
@@ -81,6 +98,9 @@ class StoreJob:
         The job's id, which names its workspace there (``SCRATCH/JOB``).
     cleanup
         Delete the sources once the output is published (and recorded).
+    units
+        The fetch units: ``[first, stop)`` ranges of :attr:`StoreRun.objects`,
+        fixed when the job is staged (empty: cut from this worker's settings).
     """
 
     run: StoreRun
@@ -88,11 +108,27 @@ class StoreJob:
     queue: str
     job: str
     cleanup: bool
+    units: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def fetch_units(self) -> tuple[tuple[int, int], ...]:
+        """The fetch units, as recorded or (a record without them) as this worker cuts them."""
+        return self.units or tuple(fetch_units(self.run.objects, get_settings().task_bytes,
+                                               get_settings().task_files))
 
     @property
     def run_dir(self) -> Path:
         """The run directory the fetch units fill, in this worker's scratch directory."""
         return get_settings().scratch_root / check_job_id(self.job) / RUN_DIR
+
+    @property
+    def resolved_run_dir(self) -> str:
+        """:attr:`run_dir` with its links resolved, as a job's steps name their directory."""
+        return os.path.realpath(self.run_dir)
+
+    def name_of(self, path: str | Path) -> str:
+        """The run's file name (``M_chk00001.h5``...) of a path in the run directory."""
+        return str(path).removeprefix(self.resolved_run_dir + "/")
 
     @property
     def output_url(self) -> str:
@@ -105,7 +141,7 @@ class StoreJob:
                 "run": run.run_id, "model": run.model,
                 "objects": [[o.name, o.key, o.size, o.version, o.mode] for o in run.objects],
                 "destination": list(self.destination), "queue": self.queue,
-                "cleanup": self.cleanup}
+                "cleanup": self.cleanup, "units": [list(u) for u in self.fetch_units]}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], job: str) -> StoreJob:
@@ -118,10 +154,16 @@ class StoreJob:
                            run_id=None if record["run"] is None else str(record["run"]),
                            model=str(record["model"]), objects=objects)
             store, key = (str(x) for x in record["destination"])
-            return cls(run, (store, key), str(record["queue"]), job, bool(record["cleanup"]))
+            units = tuple((int(a), int(b)) for a, b in record.get("units") or ())
+            bounds = [0, *(b for _, b in units)]
+            if units and ([a for a, _ in units] != bounds[:-1] or bounds[-1] != len(objects)
+                          or any(a >= b for a, b in units)):
+                raise ValueError(f"fetch units {units} do not cover its {len(objects)} files")
+            return cls(run, (store, key), str(record["queue"]), job, bool(record["cleanup"]),
+                       units)
         except (KeyError, TypeError, ValueError) as exc:
-            raise protocol.ForgedRecordError(
-                f"job record {protocol.record_key_of(job, 'store')} is not a store job "
+            raise ForgedRecordError(
+                f"job record {keys.job_record(job, 'store')} is not a store job "
                 f"({exc!r}): refused") from None
 
 
@@ -136,25 +178,33 @@ def own_queue(task: ChkqTask) -> str:
 
 def store_job(job: str) -> StoreJob | None:
     """The store job ``job`` is, or None for a job on a run directory."""
-    record = protocol.store_job_record(job)
+    record = records().store_job_record(job)
     return None if record is None else StoreJob.from_record(record, job)
 
 
-def placed_queue(job: str, out_dir: str) -> str | None:
-    """The queue every step of ``job`` goes to: its worker's for a store job, else None.
+def scratch_job(job: str, out_dir: str) -> StoreJob | None:
+    """The store job whose run directory ``out_dir`` is, or None for a directory job.
 
     Only a job whose directory lies in this worker's scratch directory can be
-    a store job; others are not looked up.
+    a store job; others are not looked up. A directory there is never a
+    directory job: one without its store record (deleted, expired), or not
+    the record's own run directory, is refused.
     """
-    if not Path(out_dir).is_relative_to(get_settings().scratch_root):
+    if not Path(out_dir).is_relative_to(os.path.realpath(get_settings().scratch_root)):
         return None
     found = store_job(job)
+    if found is None or found.resolved_run_dir != out_dir:
+        raise JobStateGoneError(
+            f"job {job} works in {out_dir!r}, in this worker's scratch directory, but "
+            f"{'has no store record' if found is None else 'its store record names another'}"
+            f" ({keys.job_record(job, 'store')}): refused")
+    return found
+
+
+def placed_queue(job: str, out_dir: str) -> str | None:
+    """The queue every step of ``job`` goes to: its worker's for a store job, else None."""
+    found = scratch_job(job, out_dir)
     return None if found is None else found.queue
-
-
-def scratch_roots() -> tuple[str, ...]:
-    """Directories a store job's steps may touch besides ``CHKQ_ALLOWED_ROOTS``."""
-    return (str(get_settings().scratch_root),)
 
 
 def check_store_allowed(url: str) -> None:
@@ -186,9 +236,11 @@ def destination_of(run: StoreRun, to: str | None) -> tuple[str, str]:
 
 def check_destination_free(run: StoreRun, destination: tuple[str, str]) -> None:
     """Refuse a destination that exists, or a log run already consolidated for the model."""
-    store = open_store(destination[0])
+    core = get_settings().core()
+    store = open_store(destination[0], timeouts=core.timeouts)
     if run.run_id is not None:
-        entry = CheckpointLog(open_store(run.store_url), run.run_id).output(run.model)
+        entry = open_run_log(open_store(run.store_url, timeouts=core.timeouts), run.run_id, core,
+                             cache_bytes=0).output(run.model)
         if entry is not None:
             raise StoreDestinationExistsError(
                 f"run {run.run_id!r} of {run.store_url} was already consolidated for model "
@@ -217,7 +269,7 @@ def fetch_units(objects: tuple[SourceObject, ...], limit: int, files: int
 
 def _stage_message(self: ChkqTask, source: str, model: str, job: str, run: str | None = None,
                    to: str | None = None, cleanup: bool = False,
-                   allow_gaps: bool = False) -> Checked:
+                   allow_gaps: bool = False, party: Any = None) -> Checked:
     """The stage message checked: names, types; nothing is read yet."""
     job = check_job_id(job)
     model = check_model_name(model)
@@ -229,32 +281,35 @@ def _stage_message(self: ChkqTask, source: str, model: str, job: str, run: str |
     for name, flag in (("cleanup", cleanup), ("allow_gaps", allow_gaps)):
         if not isinstance(flag, bool):
             raise BadMessageTypeError(f"{name} must be true or false, got {flag!r}")
-    return Checked(job, (source, model, job, run, to, cleanup, allow_gaps), {},
-                   {"model": model, "source": source})
+    return Checked(job, (source, model, job, run, to, cleanup, allow_gaps),
+                   {} if party is None else {"party": party}, {"model": model, "source": source})
 
 
 @get_app().task(name="chkq.stage", bind=True, base=ChkqTask)
 @task_lifecycle(_stage_message)
 def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = None,
           to: str | None = None, cleanup: bool = False,
-          allow_gaps: bool = False) -> dict[str, Any]:
+          allow_gaps: bool = False, party: Any = None) -> dict[str, Any]:
     """List and pin the run in the store, claim the job for this worker, launch the fetches.
 
     Delivered again after the job was claimed, it launches the same fetches
     (same ids) on the worker that claimed it.
     """
-    if protocol.cancelled(job) is not None:
+    if records().cancelled(job) is not None:
         return {"cancelled": True}
     recorded = store_job(job)
     if recorded is None:
+        admitted = authorize_stage(job, source, model, run, to, cleanup, allow_gaps, party)
         check_store_allowed(source)
-        found = find_store_run(source, model, run)
+        found = find_store_run(source, model, run, core=get_settings().core())
         destination = destination_of(found, to)
         check_store_allowed(destination[0])
+        admit_store_run(job, admitted, found, destination, cleanup)
         check_destination_free(found, destination)
         private_directory(get_settings().scratch_root)
         sweep_workspaces()
-        recorded = StoreJob.from_record(protocol.record_store_job(job, StoreJob(
+        check_room(found, found.objects, get_settings().scratch_root)
+        recorded = StoreJob.from_record(records().record_store_job(job, StoreJob(
             found, destination, own_queue(self), job, cleanup).to_record()), job)
     if recorded.queue == own_queue(self):
         recorded.run_dir.mkdir(parents=True, exist_ok=True)
@@ -268,9 +323,8 @@ def launch_fetches(found: StoreJob, job: str, allow_gaps: bool) -> None:
     queue, model = found.queue, found.run.model
     plan = consolidation_signature(str(found.run_dir), model, job, False, allow_gaps, queue)
     plan.set_immutable(True)
-    units = fetch_units(found.run.objects, get_settings().task_bytes, get_settings().task_files)
     fetches = [fetch.si(job, i).set(task_id=task_id(job, "fetch", i), queue=queue)
-               for i in range(len(units))]
+               for i in range(len(found.fetch_units))]
     chord(group(fetches).set(task_id=task_id(job, "fetches")), plan).apply_async()
 
 
@@ -284,34 +338,131 @@ def _fetch_message(self: ChkqTask, job: str, unit: int) -> Checked:
 @get_app().task(name="chkq.fetch", bind=True, base=ChkqTask)
 @task_lifecycle(_fetch_message)
 def fetch(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
-    """Write one batch of the run's objects into the job's run directory, checked against pins."""
+    """Write one batch of the run's objects into the job's run directory, checked against pins,
+    and record what it wrote (names, sizes, SHA-256, identities): planning starts from that."""
     found = store_job(job)
     if found is None:
         raise JobStateGoneError(f"job {job} has no store record: nothing to fetch")
     if found.queue != own_queue(self):
         raise BadMessageError(f"fetch unit {unit} of job {job} belongs to {found.queue}, "
                               f"not to this worker ({own_queue(self)}): refused")
-    units = fetch_units(found.run.objects, get_settings().task_bytes, get_settings().task_files)
+    units = found.fetch_units
     if unit >= len(units):
         raise BadMessageError(f"job {job} has no fetch unit {unit!r}")
-    if protocol.cancelled(job) is not None:
-        return {"cancelled": True}
+    if job_ended(job):
+        return {"ended": True}
     first, stop = units[unit]
     names = [o.name for o in found.run.objects[first:stop]]
-    found.run_dir.mkdir(parents=True, exist_ok=True)
-    written = fetch_objects(found.run, names, found.run_dir)
+    files: list[FetchedFile] = []
+    try:
+        found.run_dir.mkdir(parents=True, exist_ok=True)
+        written = fetch_objects(found.run, names, found.run_dir, files,
+                                core=get_settings().core())
+    finally:
+        if job_ended(job):
+            discard_workspace(job)
+    records().record_fetched(job, unit, [f.to_record() for f in files])
     return {"objects": len(names), "bytes": written}
+
+
+def job_ended(job: str) -> bool:
+    """Whether ``job`` finished, failed or was cancelled.
+
+    A fetch unit still running when its job ends (planning refused a chord
+    fired early, say) writes into a workspace the job's end already removed:
+    it looks again once it has written, and removes the workspace itself.
+    The job's failure removes its workspace both before and after it is
+    recorded, so that one of the two always comes after such a unit's writes.
+    """
+    return (records().cancelled(job) is not None or records().failure(job) is not None
+            or records().finished_result(job) is not None)
+
+
+def proven_fetches(found: StoreJob, job: str) -> dict[str, FetchedFile]:
+    """Every file of the job's run as its fetch unit recorded it, by name, once all did.
+
+    The hand-off from fetching to planning rests on these sealed records, never
+    on the fetch chord having fired: a chord whose counter was changed, or
+    whose fetch messages were deleted, fires early, and planning would then see
+    only some files.
+
+    Raises
+    ------
+    UnprovenJobError
+        If a unit recorded nothing, or something other than its share of the
+        pinned files (names and sizes).
+    """
+    fetched = records().fetched(job)
+    objects = found.run.objects
+    missing = [u for u in range(len(found.fetch_units)) if u not in fetched]
+    if missing:
+        raise UnprovenJobError(
+            f"job {job} cannot be planned: fetch units {missing[:5]}"
+            f"{' and more' if len(missing) > 5 else ''} of {len(found.fetch_units)} recorded "
+            "no files (the fetch chord's callback ran before they finished: its counter in "
+            "the result backend was changed or their messages were lost); nothing was "
+            "planned, published or deleted")
+    files: dict[str, FetchedFile] = {}
+    for unit, (first, stop) in enumerate(found.fetch_units):
+        try:
+            entries = [FetchedFile.from_record(e) for e in fetched[unit]]
+        except (TypeError, ValueError) as exc:
+            raise ForgedRecordError(
+                f"job record {keys.job_record(job, 'fetched')}[{unit}] is not a fetch "
+                f"record ({exc}): refused") from None
+        pinned = [(o.name, o.size) for o in objects[first:stop]]
+        if [(f.name, f.size) for f in entries] != pinned:
+            raise UnprovenJobError(
+                f"job {job} cannot be planned: fetch unit {unit} recorded other files than "
+                f"its share of the pinned run ({len(entries)} recorded, {len(pinned)} pinned)")
+        files.update((f.name, f) for f in entries)
+    return files
+
+
+def check_planned_sources(found: StoreJob, job: str, plan: Plan) -> dict[str, FetchedFile]:
+    """The fetched files, if the plan covers exactly them, each the very file fetched.
+
+    Planning discovers the run in the job's directory; what it found must be
+    every pinned file and nothing else, each with the identity (size, mtime,
+    ctime, inode, device) its fetch recorded, so that the files planned,
+    copied and verified are the fetched bytes of the pinned objects.
+
+    Raises
+    ------
+    UnprovenJobError
+        Naming the first file missing from the plan, or planned but not fetched.
+    """
+    fetched = proven_fetches(found, job)
+    planned = {found.name_of(f[0]): list(f[1:]) for f in plan.files}
+    extra = sorted(planned.keys() - fetched.keys())
+    missing = sorted(fetched.keys() - planned.keys())
+    changed = sorted(n for n in planned.keys() & fetched.keys()
+                     if planned[n] != fetched[n].stamp)
+    if extra or missing or changed:
+        what = (f"{found.run.url_of(missing[0])} was fetched but not planned" if missing else
+                f"{extra[0]!r} was planned but not fetched" if extra else
+                f"{found.run.url_of(changed[0])} was planned from another file than the one "
+                "fetched")
+        raise UnprovenJobError(f"job {job} does not consolidate the pinned run: {what} "
+                               f"({len(missing)} missing, {len(extra)} extra, {len(changed)} "
+                               "changed); nothing is published or deleted")
+    return fetched
 
 
 def publish_output(found: StoreJob, job: str, output: Path, files: list[str]) -> dict[str, Any]:
     """Publish a store job's verified output, record it, and delete the sources if asked.
+
+    ``files`` are the files the output was planned and verified from; cleanup
+    deletes only the objects fetched into them, each only if it is still the
+    version pinned.
 
     Delivered again, it recognises its own object at the destination (same
     bytes) and its own log entry, and does not publish twice; the parts of an
     upload of the same key left unfinished (a publish killed midway) are
     aborted once the object is there.
     """
-    store = open_store(found.destination[0])
+    core = get_settings().core()
+    store = open_store(found.destination[0], timeouts=core.timeouts)
     published: Published = publish_file(store, found.destination[1], output,
                                         part_bytes=get_settings().upload_part_bytes)
     abandoned = [u for u in store.stray_uploads(published.key) if u.key == published.key]
@@ -319,11 +470,15 @@ def publish_output(found: StoreJob, job: str, output: Path, files: list[str]) ->
         store.abort_upload(upload)
     run = found.run
     if run.run_id is not None:
-        CheckpointLog(open_store(run.store_url), run.run_id).record_output(OutputEntry(
+        open_run_log(open_store(run.store_url, timeouts=core.timeouts), run.run_id, core,
+                     cache_bytes=0).record_output(OutputEntry(
             model=run.model, key=published.key, size=published.size, sha256=published.sha256,
             checkpoints=tuple(o.version for o in run.objects),
             names=tuple(o.name for o in run.objects), job=job))
-    warnings = delete_sources(run) if found.cleanup else []
+    planned = {found.name_of(f) for f in files}
+    consolidated = dataclasses.replace(run, objects=tuple(o for o in run.objects
+                                                           if o.name in planned))
+    warnings = delete_sources(consolidated, core=core) if found.cleanup else []
     log.info("job=%s published %s (%d bytes, sha256 %s; %s)", job, published.url,
              published.size, published.sha256, published.proof)
     return {"output": published.url, "bytes": published.size, "sha256": published.sha256,
@@ -378,8 +533,8 @@ def sweep_workspaces() -> list[str]:
         job = path.name
         with contextlib.suppress(ValueError, ChkqError):
             check_job_id(job)
-            ended = (protocol.finished_result(job) or protocol.failure(job)
-                     or protocol.cancelled(job))
+            ended = (records().finished_result(job) or records().failure(job)
+                     or records().cancelled(job))
             if ended is not None and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(job)
@@ -388,11 +543,16 @@ def sweep_workspaces() -> list[str]:
 
 def stage_signature(source: str, model: str, job: str, *, run: str | None = None,
                     to: str | None = None, cleanup: bool = False,
-                    allow_gaps: bool = False) -> Any:
-    """The message that starts a store job: ``chkq.stage``, with ``chkq.fail`` as errback."""
+                    allow_gaps: bool = False, party: dict[str, Any] | None = None) -> Any:
+    """The message that starts a store job: ``chkq.stage``, with ``chkq.fail`` as errback.
+
+    ``party``: the submitter's credential (:func:`chkq.tasks.parties.stage_credential`).
+    """
     kwargs: dict[str, Any] = {"run": run, "to": to, "cleanup": cleanup}
     if allow_gaps:
         kwargs["allow_gaps"] = True
+    if party is not None:
+        kwargs["party"] = party
     return signature("chkq.stage", args=(source, model, job), kwargs=kwargs,
                      app=get_app(), immutable=True).set(
         task_id=task_id(job, "stage"), link_error=[fail_signature("", model, job)])

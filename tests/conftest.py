@@ -6,6 +6,7 @@ the fast loop (``pytest -m unit``) are in :mod:`support.plugins.kinds`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -17,6 +18,18 @@ import pytest
 #: that would load the same file a second time under another name.
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != ROOT]
+
+# netCDF4, the first time it is imported, points HDF5_PLUGIN_PATH at its own filter plugins,
+# built against its own copy of HDF5. Imported here once, before h5py, and the variable put
+# back: neither h5py's HDF5 in a test process nor a worker a test starts loads those plugins
+# (they would run on the other copy of HDF5, whose error stack and identifiers are not h5py's).
+_PLUGIN_PATH = os.environ.get("HDF5_PLUGIN_PATH")
+with contextlib.suppress(ImportError):
+    import netCDF4  # noqa: F401
+if _PLUGIN_PATH is None:
+    os.environ.pop("HDF5_PLUGIN_PATH", None)
+else:
+    os.environ["HDF5_PLUGIN_PATH"] = _PLUGIN_PATH
 
 pytest_plugins = [
     "support.plugins.kinds",

@@ -16,8 +16,8 @@ from chkq.config.settings import Settings
 def test_importing_reads_nothing_and_builds_nothing() -> None:
     """With a setting that cannot be read, every layer still imports; the app is made on use."""
     env = {**os.environ, "CHKQ_BLOCK_BYTES": "-5"}
-    program = ("import chkq.config.celery_app as c, chkq.tasks.protocol, chkq.workers.client, "
-               "chkq.workers.status\n"
+    program = ("import chkq.config.celery_app as c, chkq.tasks.state, chkq.workers.client, "
+               "chkq.workers.cli.status\n"
                "assert c._app is None and c._settings is None\n"
                "try:\n    c.app\nexcept ValueError as exc:\n    print('on use:', exc)\n")
     done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True,
@@ -44,7 +44,7 @@ def test_a_redis_result_backend_is_found_without_asking_every_installed_package(
     from celery.backends.redis import RedisBackend
 
     from chkq.config.celery_app import backend_by_url
-    from chkq.workers.result_backend import RequeueOutages
+    from chkq.workers.runtime.result_backend import RequeueOutages
 
     app = make_app(Settings(broker_url="redis://127.0.0.1:1/0"))
     expected = {url: backends.by_url(url, app.loader)

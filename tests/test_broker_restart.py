@@ -60,8 +60,9 @@ def test_redis_restart_early_in_a_job_does_not_park_it(
         checkpoints_only(before, run)
         outcome = "JobInterruptedError"
     except TimeoutError:
-        raise AssertionError(f"the job was parked; worker log:\n{worker.log()[-4000:]}"
-                             ) from None
+        from chkq.tasks.state import job_status
+        raise AssertionError(f"the job was parked: {job_status(job.id)!r}; worker log:\n"
+                             f"{worker.log()[-12000:]}") from None
     else:
         assert_consolidated(output, files)
         outcome = "a correct output"

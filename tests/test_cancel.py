@@ -17,14 +17,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from chkq.config.celery_app import close_app, get_settings, make_app, use_app
 from chkq.config.routing import QUEUES
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis
-from chkq.workers.launch import launch_worker, stop_worker
+from chkq.workers.runtime.launch import launch_worker, stop_worker
 from support.helpers import snapshot, wait_for, write_lease
 
 #: Every test here starts processes (workers, the command line).
@@ -75,7 +77,10 @@ def test_no_worker_is_announced_and_interrupt_says_how_to_cancel(
     assert timed_out, lines[1]
 
     # Ctrl-C: says the job stays queued, with its id and how to cancel it.
-    client = subprocess.Popen(CLI + ["consolidate", "run", "--out-dir", str(tmp_path)],
+    # (Another run: a second job of the first one's run is refused while it is queued.)
+    second = tmp_path.parent / f"{tmp_path.name}-second"
+    make_run(second, "run", RunShape(checkpoints=2, writers=2, trials=100))
+    client = subprocess.Popen(CLI + ["consolidate", "run", "--out-dir", str(second)],
                               env=broker, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     started = time.monotonic()
@@ -172,3 +177,32 @@ def test_cancel_stops_a_running_job_and_removes_its_temporaries(
         stop_worker(worker)
         if copier is not None:
             stop_worker(copier)
+
+
+def test_cancel_with_no_worker_is_quick(broker: dict[str, str], tmp_path: Path) -> None:
+    """No worker at all: ``cancel`` removes the queued job and returns within a broadcast.
+
+    It asks the workers once which tasks they run (1 s with none to answer),
+    where it asked twice per look and looked twice.
+    """
+    from chkq.workers.cancel import cancel_job
+
+    make_run(tmp_path, "run", RunShape(checkpoints=2, trials=20))
+    submitted = chkq(broker, "consolidate", "run", "--out-dir", str(tmp_path), "--no-wait")
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip()
+    url = broker["CHKQ_BROKER_URL"]
+    app = make_app(replace(get_settings(), broker_url=url, result_backend=url))
+    previous = use_app(app)
+    try:
+        started = time.monotonic()
+        said = cancel_job(job)
+        seconds = time.monotonic() - started
+    finally:
+        use_app(previous)
+        close_app(app)
+    assert said.startswith(f"cancelled job {job}: 1 queued tasks removed, 0 running tasks "
+                           "stopped"), said
+    assert seconds < 3.0, f"cancel took {seconds:.1f} s with no worker to ask"
+    status = chkq(broker, "status", job)
+    assert f"job {job}: CANCELLED (cancelled)" in status.stdout, status.stdout

@@ -26,7 +26,8 @@ def test_a_finished_job_reads_all_rows_done_and_its_summary(
     assert summary.bytes == output.stat().st_size
     assert summary.seconds is not None and summary.seconds > 0
     assert len(summary.warnings) == 1 and "run_chk00001" in summary.warnings[0]
-    assert job.progress == Progress("done", summary.rows, summary.rows, summary.rows)
+    assert job.progress == Progress("done", summary.rows, summary.rows, summary.rows,
+                                    summary.records)
 
 
 def test_refusals_happen_before_anything_is_sent(worker: WorkerProcess, tmp_path: Path) -> None:

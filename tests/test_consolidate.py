@@ -13,7 +13,7 @@ import pytest
 from chkq.config.routing import VERIFY_QUEUE
 from chkq.demo import RunShape, make_run, write_checkpoint_file
 from chkq.tasks.consolidate import task_id
-from chkq.tasks.protocol import copied, recorded_plan
+from chkq.tasks.state import records
 from chkq.workers.client import ConsolidationJob, submit_consolidation
 from support.helpers import assert_consolidated, corrupt_chunk, snapshot, wait_for
 from support.plugins.cluster import WorkerProcess, consumers_paused
@@ -258,7 +258,7 @@ def test_verify_finds_a_corrupted_row(tmp_path: Path, worker: WorkerProcess) -> 
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
-        plan = recorded_plan(job.id)
+        plan = records().recorded_plan(job.id)
         trial = next(d for d in plan.datasets if d.name == "galaxy/trial")
         with open(plan.job.temp, "r+b") as fh:
             fh.seek(trial.chunk_offsets[0] + 123 * trial.row_bytes)
@@ -291,8 +291,8 @@ def test_verify_finds_a_changed_row_in_compressed_data(tmp_path: Path,
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path)
         wait_for(lambda: state_of(job, "merge") == "SUCCESS", what="merge")
-        plan = recorded_plan(job.id)
-        digests = [entry for unit in copied(job.id).values() for entry in unit]
+        plan = records().recorded_plan(job.id)
+        digests = [entry for unit in records().copied(job.id).values() for entry in unit]
         # Files 1 and 3 start on the chunk grid: their whole chunks moved unchanged.
         assert {entry[4] if len(entry) > 4 else len(entry[3]) for entry in digests} == {
             "stored", 64}

@@ -1,4 +1,4 @@
-"""Checkpoint discovery, exactly as the README says (core library, no Celery)."""
+"""Checkpoint discovery, exactly as docs/consolidation.md says (core library, no Celery)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import pytest
 
 from chkq.log import CheckpointLog
 from chkq.stores import TransientStoreError, open_store
-from chkq.stores import base as store_base
+from chkq.stores import retry as store_retry
 from chkq.workers.broker import PrivateRedis, free_port
 from support.plugins.object_stores import BUCKET
 
@@ -127,8 +127,8 @@ def test_a_commit_to_an_unreachable_store_fails_within_one_budget_and_says_it_re
 def test_store_operations_inside_one_budget_share_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two operations against a store that keeps failing: the second gets what the first left."""
     clock = [1000.0]
-    monkeypatch.setattr(store_base.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(store_base.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(store_retry.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(store_retry.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     calls: list[float] = []
 
     def unreachable() -> None:
@@ -136,10 +136,10 @@ def test_store_operations_inside_one_budget_share_it(monkeypatch: pytest.MonkeyP
         raise ConnectionError("refused")
 
     def operation() -> None:
-        store_base.retry_transient(unreachable, is_transient=lambda e: True, what="op",
+        store_retry.retry_transient(unreachable, is_transient=lambda e: True, what="op",
                                    attempts=1000, budget=10.0, initial_delay=0.5)
 
-    with store_base.overall_budget(10.0):
+    with store_retry.overall_budget(10.0):
         with pytest.raises(TransientStoreError):
             operation()
         with pytest.raises(TransientStoreError):

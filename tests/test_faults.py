@@ -22,6 +22,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,10 +35,11 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import COPY_QUEUE, VERIFY_QUEUE
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
-from chkq.errors import CheckpointChangedError
+from chkq.errors import CheckpointChangedError, RunBusyError
 from chkq.tasks.base import JobInterruptedError, PoisonMessageError
+from chkq.tasks.canvas import consolidation_signature
 from chkq.tasks.consolidate import task_id
-from chkq.tasks.protocol import recorded_plan
+from chkq.tasks.state import records
 from chkq.workers.client import ConsolidationJob, JobLostError, submit_consolidation
 from support.helpers import assert_consolidated, snapshot, wait_for
 from support.plugins.cluster import WorkerProcess
@@ -68,7 +70,7 @@ JOB_SECONDS = 40
 def slow_unit(job: ConsolidationJob, run: Path) -> int:
     """The copy unit of ``job`` that copies SLOW_DATASET (read from the job's plan)."""
     wait_for(lambda: state_of(job, "plan") == "SUCCESS", JOB_SECONDS, "the plan")
-    plan = recorded_plan(job.id)
+    plan = records().recorded_plan(job.id)
     return next(n for n, unit in enumerate(plan.copy_units)
                 if any(plan.datasets[d].name == SLOW_DATASET for d, _, _ in unit.pieces))
 
@@ -208,7 +210,7 @@ def _resubmit_after_restart(run: Path) -> Path:
 
     celery/kombu 5.7 used to leave a worker that held an unacknowledged task
     alive but consuming nothing after the restart (``'NoneType' object has no
-    attribute 'hostname'``); workers/broker_transport.py fixes that.
+    attribute 'hostname'``); workers/runtime/broker_transport.py fixes that.
     """
     return submit_consolidation("run", run).wait_for_output(timeout=JOB_SECONDS)
 
@@ -291,10 +293,21 @@ def _outcomes(jobs: list[ConsolidationJob]) -> tuple[list[Path], list[BaseExcept
 
 def test_same_consolidation_submitted_twice_at_once(worker: WorkerProcess,
                                                     tmp_path: Path) -> None:
-    """Two jobs race for one output: one links it, the other gets FileExistsError."""
+    """Two jobs race for one output: one links it, the other gets FileExistsError.
+
+    A second submission while the first is queued is refused at once, naming it; two
+    clients that both pass that check at the same instant (the second job sent as its
+    client sends it) still end with one output, the other job refused at the link."""
     files = make_run(tmp_path, "run", RunShape(checkpoints=3, writers=2, trials=300))
     before = snapshot(tmp_path)
-    outputs, errors = _outcomes([submit_consolidation("run", tmp_path) for _ in range(2)])
+    first = submit_consolidation("run", tmp_path)
+    racing = uuid.uuid4().hex
+    records().record_submitted(racing, "run", str(tmp_path))
+    consolidation_signature(str(tmp_path), "run", racing, False).apply_async()
+    busy = f"already being consolidated by job ({first.id}|{racing})"
+    with pytest.raises(RunBusyError, match=busy):
+        submit_consolidation("run", tmp_path)
+    outputs, errors = _outcomes([first, ConsolidationJob(racing, app=first.app)])
     assert len(outputs) == 1, errors
     assert len(errors) == 1 and isinstance(errors[0], FileExistsError), errors
     assert "run.h5" in str(errors[0])

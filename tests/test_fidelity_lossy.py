@@ -1,11 +1,14 @@
-"""Lossy codecs (ZFP, SZ3, scale-offset on floats): chunks move unchanged, or the run is refused.
+"""Lossy codecs (ZFP, SZ3, scale-offset on floats): every row decodes as in its source.
 
 A lossy filter approximates each chunk's values as a whole, so rows decoded
 and encoded again at other chunk boundaries come back with other values.
-Such chunks must reach the output as they are stored; a run whose rows do
-not fall on the chunk grid is refused before anything is written, naming
-the dataset and saying the filter is lossy. Files are written with h5py and
-hdf5plugin, as producers write them; jobs run on real workers.
+Chunks that land whole on the output's grid reach it as they are stored;
+every other chunk (where two files meet, in a file that starts off the
+grid, or stored under other parameters) holds the sources' decoded rows,
+stored with the lossy filter skipped in its filter mask, so readers decode
+exactly the sources' rows and the dataset keeps its pipeline. Files are
+written with h5py and hdf5plugin, as producers write them; jobs run on real
+workers and in the in-process driver, checked by the independent comparator.
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ import hdf5plugin
 import numpy as np
 import pytest
 
+from chkq.consolidation.driver import consolidate_here
+from chkq.consolidation.filter_pipelines import stored_filters
 from chkq.workers.client import submit_consolidation
-from support.helpers import snapshot
+from support.corpus_expect import compare
 
 TIMEOUT = 120
 CHUNK = 100
@@ -87,22 +92,56 @@ def test_lossy_chunks_on_the_grid_move_unchanged(tmp_path: Path, codec: dict[str
         chunk for p in files for chunk in stored_chunks(p, "lossy")]
 
 
-@pytest.mark.parametrize("codec, named", [
-    (ZFP_RATE, r"lossy filter \(ZFP"),
-    (SCALEOFFSET, r"lossy filter \(scale-offset on floating-point values\)"),
-    (SZ3, r"lossy filter \(SZ3\)"),
-], ids=["zfp-rate", "scaleoffset", "sz3"])
-def test_lossy_rows_off_the_grid_are_refused_before_anything_is_written(
-        tmp_path: Path, codec: dict[str, Any], named: str) -> None:
-    """550 rows a file, chunks of 100: the second file starts inside a chunk. The job is
-    refused naming the dataset, the file and the lossy filter, never a row that differs,
-    and the run directory is left exactly as it was."""
-    write_run(tmp_path, [550, 550, 550], {"plain": GZIP, "lossy": codec})
-    before = snapshot(tmp_path)
-    with pytest.raises(ValueError, match=r"dataset '/lossy' is stored with a " + named) as err:
-        consolidate(tmp_path)
-    assert "run_chk00001.h5" in str(err.value) and "differs" not in str(err.value)
-    assert snapshot(tmp_path) == before
+def masks(path: Path, name: str) -> list[int]:
+    """The filter mask of every chunk of a dataset, in row order."""
+    with h5py.File(path, "r") as f:
+        return [mask for mask, _ in (f[name].id.read_direct_chunk((row, 0))
+                                     for row in range(0, f[name].shape[0], CHUNK))]
+
+
+def decoded(files: list[Path], name: str) -> np.ndarray:
+    """The sources' rows of ``name`` as a reader decodes them, one file after the other."""
+    return np.concatenate([h5py.File(p, "r")[name][()] for p in files])
+
+
+SCALEOFFSET_GZIP = {"scaleoffset": 2, "compression": "gzip"}
+
+
+@pytest.mark.parametrize("codec", [ZFP_RATE, SCALEOFFSET, SZ3, SCALEOFFSET_GZIP],
+                         ids=["zfp-rate", "scaleoffset", "sz3", "scaleoffset-gzip"])
+def test_lossy_rows_off_the_grid_decode_exactly_as_their_sources(
+        tmp_path: Path, codec: dict[str, Any]) -> None:
+    """550 rows a file, chunks of 100: the second file starts inside a chunk, the third on
+    the grid again. The first file's five whole chunks and the third file's six move as
+    stored; the six between hold decoded rows with the lossy filter (the first) skipped and
+    any lossless one after it applied."""
+    files = write_run(tmp_path, [550, 550, 550], {"plain": GZIP, "lossy": codec})
+    output = consolidate(tmp_path)
+    assert compare(output, files) == []
+    with h5py.File(output, "r") as out:
+        for name in ("lossy", "plain"):
+            assert out[name][()].tobytes() == decoded(files, name).tobytes(), name
+        with h5py.File(files[-1], "r") as last:
+            assert (stored_filters(out["lossy"].id.get_create_plist())
+                    == stored_filters(last["lossy"].id.get_create_plist()))
+    moved = stored_chunks(output, "lossy")
+    assert moved[:5] == stored_chunks(files[0], "lossy")[:5]
+    assert moved[11:] == stored_chunks(files[2], "lossy")
+    assert masks(output, "lossy") == [0] * 5 + [1] * 6 + [0] * 6
+    if codec is SCALEOFFSET_GZIP:
+        sizes = [info.size for info in (h5py.File(output, "r")["lossy"].id.get_chunk_info(i)
+                                        for i in range(5, 11))]
+        assert max(sizes) < CHUNK * 3 * 8, "the lossless filter after the skipped one applies"
+
+
+def test_lossy_rows_off_the_grid_decode_exactly_in_many_small_units(tmp_path: Path) -> None:
+    files = write_run(tmp_path, [130, 275, 42, 300], {"zfp": ZFP_RATE, "so": SCALEOFFSET})
+    output = consolidate_here(tmp_path, "run", task_bytes=2000, task_files=1)
+    assert compare(output, files) == []
+    for name in ("zfp", "so"):
+        with h5py.File(output, "r") as out:
+            assert out[name][()].tobytes() == decoded(files, name).tobytes(), name
+        assert masks(output, name)[0] == 0 and 1 in masks(output, name)
 
 
 def test_lossless_zfp_and_integer_scaleoffset_are_encoded_again_off_the_grid(
@@ -129,17 +168,17 @@ def test_lossless_zfp_and_integer_scaleoffset_are_encoded_again_off_the_grid(
             assert out[name][()].tobytes() == expected.tobytes(), name
 
 
-def test_a_file_stored_with_other_lossy_parameters_fails_naming_the_filter(
+def test_a_file_stored_with_other_lossy_parameters_decodes_exactly_as_it_did(
         tmp_path: Path) -> None:
     """Rows on the grid, but the first file's ZFP rate is not the final checkpoint's: its
-    chunks cannot move unchanged into the output's pipeline. The job fails naming the
-    dataset, the file and the lossy filter, not a row, and leaves nothing behind."""
-    write_run(tmp_path, [300, 300, 200], {"lossy": ZFP_RATE},
-              overrides={1: {"lossy": dict(hdf5plugin.Zfp(rate=16))}})
-    before = snapshot(tmp_path)
-    with pytest.raises(ValueError, match=r"dataset '/lossy' of checkpoint file "
-                                         r"'[^']*run_chk00001\.h5' is stored with a lossy "
-                                         r"filter \(ZFP") as err:
-        consolidate(tmp_path)
-    assert "differs" not in str(err.value)
-    assert snapshot(tmp_path) == before
+    chunks cannot move into the output's pipeline as they are, so they hold its decoded
+    rows with ZFP skipped; the other files' chunks move unchanged."""
+    files = write_run(tmp_path, [300, 300, 200], {"lossy": ZFP_RATE},
+                      overrides={1: {"lossy": dict(hdf5plugin.Zfp(rate=16))}})
+    output = consolidate(tmp_path)
+    assert compare(output, files) == []
+    with h5py.File(output, "r") as out:
+        assert out["lossy"][()].tobytes() == decoded(files, "lossy").tobytes()
+    assert masks(output, "lossy") == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert stored_chunks(output, "lossy")[3:] == [
+        chunk for p in files[1:] for chunk in stored_chunks(p, "lossy")]

@@ -145,22 +145,83 @@ def test_fill_value_records_in_the_output_are_checked_independently(tmp_path: Pa
         check_output(output, files[-1], rows, set(), padding={"x": [(7, 3)]})
 
 
+def write_strings(run: Path, stored: Callable[[int], int], checkpoints: int = 3) -> list[Path]:
+    """netCDF4 checkpoints of 4 ``time`` records; ``label`` and ``mark`` (strings) hold
+    ``stored(n)`` of them, ``mark`` with the fill value "NA", ``label`` with netCDF's ""."""
+    run.mkdir()
+    files = []
+    for n in range(1, checkpoints + 1):
+        path = run / f"run_chk{n:05d}.h5"
+        with netCDF4.Dataset(path, "w") as nc:
+            nc.createDimension("time", None)
+            nc.createVariable("time", "f8", ("time",))[0:4] = np.arange(4) + 4 * n
+            label = nc.createVariable("label", str, ("time",))
+            mark = nc.createVariable("mark", str, ("time",), fill_value="NA")
+            for i in range(stored(n)):
+                label[i] = f"step {4 * n + i} \u00e9"
+                mark[i] = "" if i == 1 else f"m{i}"
+            nc.trials_completed = np.uint64(1)
+        files.append(path)
+    return files
+
+
+def string_view(path: Path) -> dict[str, list[object]]:
+    with netCDF4.Dataset(path) as nc:
+        return {name: list(nc[name][:]) for name in ("time", "label", "mark")}
+
+
+def concatenated_strings(files: list[Path]) -> dict[str, list[object]]:
+    views = [string_view(path) for path in files]
+    return {name: [v for view in views for v in view[name]] for name in views[0]}
+
+
+def test_short_string_records_are_padded_with_their_fill_value_as_netcdf_reads_them(
+        tmp_path: Path, worker: WorkerProcess) -> None:
+    """Strings short in the first two files: the output reads as ncrcat gives the files."""
+    run = tmp_path / "run"
+    files = write_strings(run, lambda n: {1: 2, 2: 0}.get(n, 4))
+    expected = concatenated_strings(files)
+    assert expected["label"][2:8] == ["", "", "", "", "", ""]
+    assert expected["mark"][2:8] == ["NA"] * 6
+    output = submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
+    assert string_view(output) == expected
+    with h5py.File(output, "r") as out:
+        assert out["label"].shape == out["mark"].shape == (12,)
+
+
+def test_short_string_records_in_many_small_units_and_the_check_of_their_fill(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    files = write_strings(run, lambda n: 1 if n < 4 else 4, checkpoints=4)
+    output = consolidate_here(run, "run", task_bytes=40, task_files=1)
+    assert string_view(output) == concatenated_strings(files)
+    padding = {"label": [(1, 3), (5, 3), (9, 3)], "mark": [(1, 3), (5, 3), (9, 3)]}
+    rows = {"time": 16, "label": 16, "mark": 16}
+    check_output(output, files[-1], rows, set(), padding=padding)
+    with h5py.File(output, "r+") as out:
+        out["mark"][6] = "forged"
+    with pytest.raises(OutputMismatchError, match=r"'mark': rows 5 to 7, records its file "
+                                                  r"lacked, are not its fill value"):
+        check_output(output, files[-1], rows, set(), padding=padding)
+
+
 def test_records_that_cannot_be_padded_exactly_are_refused_before_writing(
         tmp_path: Path, worker: WorkerProcess) -> None:
-    """Variable-length strings have no fill value chkq can give records: refused, named."""
+    """Variable-length sequences (netCDF VLEN types) have no fill value chkq can give
+    records: refused, named."""
     run = tmp_path / "run"
     run.mkdir()
     for n in (1, 2, 3):
         with netCDF4.Dataset(run / f"run_chk{n:05d}.h5", "w") as nc:
             nc.createDimension("time", None)
             nc.createVariable("time", "f8", ("time",))[0:4] = np.arange(4) + 4 * n
-            label = nc.createVariable("label", str, ("time",))
+            ragged = nc.createVariable("ragged", nc.createVLType(np.int32, "ints"), ("time",))
             for i in range(2 if n == 2 else 4):
-                label[i] = f"step {i}"
+                ragged[i] = np.arange(i + 1, dtype="i4")
             nc.trials_completed = np.uint64(1)
     message = refused(run, r"run_chk00002\.h5' holds records of dimension '/time' in datasets "
-                           r"of different lengths \('/time' 4, '/label' 2 rows\): '/label' "
-                           r"holds variable-length data")
+                           r"of different lengths \('/time' 4, '/ragged' 2 rows\): '/ragged' "
+                           r"holds variable-length data other than strings")
     assert "aligned" in message
 
 

@@ -22,13 +22,11 @@ from celery.result import AsyncResult
 
 from chkq.demo import RunShape, make_run
 from chkq.errors import WaitTimeoutError
+from chkq.jobs import keys
+from chkq.jobs.records import task_id
 from chkq.stores import CheckpointStore, open_store
-from chkq.tasks.protocol import task_id
-from chkq.workers.client import (
-    FIRST_WORKER_CHECK_SECONDS,
-    submit_consolidation,
-    submit_store_consolidation,
-)
+from chkq.workers.client import submit_consolidation, submit_store_consolidation
+from chkq.workers.waiting import FIRST_WORKER_CHECK_SECONDS
 from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster
 from support.plugins.object_stores import BUCKET, FaultProxy
@@ -197,7 +195,7 @@ def test_a_destination_created_by_someone_else_during_the_job_is_left_alone(
     cluster.add_workers(1, "control,copy,verify", concurrency=2,
                         env=store_env(tmp_path / "scratch"))
     job = submit_store_consolidation("sim", url)
-    wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+    wait_for(lambda: cluster.client().exists(keys.job_record(job.id, "store")), timeout=60,
              what="the job staged")
     store.put("sim.h5", b"theirs")
     with pytest.raises(FileExistsError, match="sim.h5"):
@@ -223,7 +221,7 @@ def test_a_source_replaced_before_it_is_fetched_fails_the_job_naming_it(
 
     with consumers_paused(worker, node_queue):
         job = submit_store_consolidation("sim", url)
-        wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+        wait_for(lambda: cluster.client().exists(keys.job_record(job.id, "store")), timeout=60,
                  what="the job staged")
         time.sleep(0.5)
         original = files[1].read_bytes()
@@ -312,7 +310,7 @@ def test_a_fetch_killed_mid_download_runs_again_and_the_job_ends_correctly(
         **store_env(tmp_path / "scratch"), "AWS_ENDPOINT_URL": proxy.url,
         "CHKQ_STORE_RETRY_SECONDS": "60"})
     job = submit_store_consolidation("sim", url)
-    wait_for(lambda: cluster.client().exists(f"chkq-job-{job.id}-store"), timeout=60,
+    wait_for(lambda: cluster.client().exists(keys.job_record(job.id, "store")), timeout=60,
              interval=0.005, what="the job staged")
     proxy.go_down(4)
     _, pid = wait_for(lambda: cluster.running(task_id(job.id, "fetch", 0)), timeout=20,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from chkq.consolidation.store_run import SourceObject, StoreRun
 from chkq.errors import BadCheckpointError
+from chkq.staging import SourceObject, StoreRun
 from chkq.tasks.from_store import StoreJob, destination_of, fetch_units, in_store_terms
 
 

@@ -20,17 +20,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
+import hdf5plugin
 import numpy as np
 import pytest
 
 from chkq.config.routing import QUEUES
-from chkq.consolidation.checkpoint_files import MAX_DEPTH, UNWRITTEN_SLACK
+from chkq.consolidation.checkpoint_files import MAX_DEPTH, UNWRITTEN_CHUNKS, UNWRITTEN_SLACK
+from chkq.consolidation.driver import consolidate_here
 from chkq.consolidation.output_check import check_output
-from chkq.errors import OutputMismatchError
+from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
 from support.corpus_expect import compare
 from support.h5runs import TIMEOUT, Builder, make_run, refused
-from support.helpers import assert_consolidated
+from support.helpers import assert_consolidated, snapshot
 from support.plugins.cluster import WorkerProcess, consumers_paused
 from support.plugins.users import LocalUser
 
@@ -208,6 +210,157 @@ def test_an_unstored_gigabyte_chunk_is_refused_and_output_size_is_bounded_by_sou
     sources = sum(p.stat().st_size for p in files)
     assert output.stat().st_size <= sources + len(files) * UNWRITTEN_SLACK
     assert os.stat(output).st_blocks * 512 <= sources + len(files) * UNWRITTEN_SLACK
+
+
+def test_sixteen_million_unstored_one_byte_chunks_are_refused_a_few_thousand_are_not(
+        tmp_path: Path) -> None:
+    """16 MiB of unwritten one-byte rows is within the byte slack, but 16 Mi chunks each cost
+    the output a chunk: refused by their count, naming the dataset; 4,000 are consolidated."""
+    def declared(count: int) -> Builder:
+        def build(f: h5py.File, n: int) -> None:
+            rows(f, n)
+            ds = f.create_dataset("flags", shape=(count,), maxshape=(None,), chunks=(1,),
+                                  dtype="u1")
+            ds[:10] = n
+        return build
+
+    run = tmp_path / "forged"
+    files = make_run(run, declared(16 * MiB))
+    assert all(p.stat().st_size < 64 * 1024 for p in files)
+    before = snapshot(run)
+    with pytest.raises(BadCheckpointError, match=r"dataset '/flags' of checkpoint file .*"
+                       r"run_chk00001.h5' declares 16777206 chunks the file does not store "
+                       rf"\(at most {UNWRITTEN_CHUNKS} chunks"):
+        consolidate_here(run, "run")
+    assert snapshot(run) == before
+    run = tmp_path / "ahead"
+    files = make_run(run, declared(4010))
+    output = consolidate_here(run, "run")
+    assert compare(output, files) == []
+    with h5py.File(output, "r") as out:
+        assert out["flags"].shape == (8020,)
+        assert out["flags"][4005:4012].tolist() == [0] * 5 + [2] * 2
+
+
+def test_a_variable_length_attribute_is_bounded_by_the_objects_built_from_it(
+        tmp_path: Path) -> None:
+    """200,000 one-integer sequences: 3.2 MB in the file, within a 16 MiB hold, but some 35 MB
+    of Python objects when the whole-output check reads it; refused naming it. 2,000 are not."""
+    def attributed(count: int) -> Builder:
+        def build(f: h5py.File, n: int) -> None:
+            rows(f, n)
+            values = np.empty(count, dtype=object)
+            for i in range(count):
+                values[i] = np.arange(i % 2 + 1, dtype="<i4")
+            f["rows"].attrs.create("ragged", data=values, dtype=h5py.vlen_dtype("<i4"))
+        return build
+
+    run = tmp_path / "large"
+    make_run(run, attributed(200_000), libver="latest")
+    before = snapshot(run)
+    with pytest.raises(BadCheckpointError, match=r"attribute 'ragged' of '/rows' in checkpoint "
+                       r"file .*run_chk00002.h5' holds 200000 variable-length elements, "
+                       r"80000000 bytes as the Python objects"):
+        consolidate_here(run, "run", block_bytes=1 * MiB)
+    assert snapshot(run) == before
+    run = tmp_path / "small"
+    files = make_run(run, attributed(2_000), libver="latest")
+    output = consolidate_here(run, "run", block_bytes=1 * MiB)
+    assert compare(output, files) == []
+
+
+# --------------------------------------------------------------------------- compression ratio
+
+
+#: Filters that store a 512 KiB chunk of zeros in a few hundred bytes or less (ratios of 1,800 to
+#: 15,000, far past deflate's 1,032), as producers set them through hdf5plugin.
+COMPRESSIBLE = {
+    "zstd": hdf5plugin.Zstd(clevel=3),
+    "bzip2": hdf5plugin.BZip2(blocksize=9),
+    "blosc2": hdf5plugin.Blosc2(cname="zstd"),
+    "blosc_zstd": hdf5plugin.Blosc(cname="zstd", clevel=5),
+}
+
+
+def zeros_and_masks(f: h5py.File, n: int) -> None:
+    """Simulation output of mostly zeros (unused bins, masked cells), in 512 KiB chunks."""
+    rows(f, n)
+    count = 65536 * (n + 1) + 1000 * n
+    for name, options in COMPRESSIBLE.items():
+        values = np.zeros(count, dtype="<f8")
+        values[::100_003] = n
+        f.create_dataset(name, data=values, maxshape=(None,), chunks=(65536,), **options)
+
+
+def test_highly_compressible_data_is_consolidated_exactly(tmp_path: Path,
+                                                          worker: WorkerProcess) -> None:
+    run = tmp_path / "zeros"
+    files = make_run(run, zeros_and_masks, checkpoints=3)
+    with h5py.File(files[0], "r") as f:
+        for name in COMPRESSIBLE:
+            info = f[name].id.get_chunk_info(1)
+            assert info.size * 1100 < 65536 * 8, (name, info.size)
+    output = submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
+    assert_consolidated(output, files)
+    assert compare(output, files) == []
+
+
+@pytest.fixture
+def decode_allowance(worker: WorkerProcess, start_worker: Callable[..., WorkerProcess]
+                     ) -> Iterator[int]:
+    """A worker of its own allowing jobs 64 MiB of decoded rows; the session's takes nothing."""
+    allowance = 64 * MiB
+    with consumers_paused(worker, *QUEUES):
+        start_worker(",".join(QUEUES), 1, {"CHKQ_MAX_DECODED_BYTES": str(allowance)})
+        yield allowance
+
+
+def bomb(count: int, chunk: int = 65536) -> Builder:
+    """Checkpoints whose ``bins`` are ``count`` Blosc2 chunks of zeros, one chunk stored again."""
+    def build(f: h5py.File, n: int) -> None:
+        rows(f, n)
+        ds = f.create_dataset("bins", data=np.zeros(chunk), maxshape=(None,),
+                              chunks=(chunk,), **COMPRESSIBLE["blosc2"])
+        mask, stored = ds.id.read_direct_chunk((0,))
+        ds.resize((count * chunk,))
+        for k in range(1, count):
+            ds.id.write_direct_chunk((k * chunk,), stored, mask)
+    return build
+
+
+def test_a_decompression_bomb_is_refused_at_the_users_allowance(
+        tmp_path: Path, decode_allowance: int) -> None:
+    """A 300 KB file whose Blosc2 chunks decode to 256 MiB: refused before work, naming it.
+
+    The chunks are one stored chunk of zeros written again at every offset
+    (``write_direct_chunk``), so the file costs nothing to make; the same
+    run within the allowance is consolidated exactly.
+    """
+    run = tmp_path / "bomb"
+    files = make_run(run, bomb(512))
+    assert all(p.stat().st_size < 400_000 for p in files)
+    refused(run, r"the run's filtered datasets decode to 536870912 bytes, more than a job may "
+                 rf"decode \(CHKQ_MAX_DECODED_BYTES={decode_allowance}\); most of them in "
+                 r"dataset '/bins' .*checkpoint file .*run_chk0000[12].h5' declares 268435456")
+    run = tmp_path / "within"
+    files = make_run(run, bomb(32))
+    output = submit_consolidation("run", run).wait_for_output(timeout=TIMEOUT)
+    assert_consolidated(output, files)
+    assert compare(output, files) == []
+
+
+def test_the_in_process_driver_bounds_decoding_by_its_allowance(tmp_path: Path) -> None:
+    run = tmp_path / "bomb"
+    make_run(run, bomb(512))
+    before = snapshot(run)
+    with pytest.raises(BadCheckpointError, match=r"decode to 536870912 bytes, more than a job "
+                       r"may decode \(CHKQ_MAX_DECODED_BYTES=67108864\)"):
+        consolidate_here(run, "run", max_decoded_bytes=64 * MiB)
+    assert snapshot(run) == before
+    run = tmp_path / "within"
+    files = make_run(run, bomb(32))
+    output = consolidate_here(run, "run", max_decoded_bytes=64 * MiB)
+    assert compare(output, files) == []
 
 
 # --------------------------------------------------------------------------- depth

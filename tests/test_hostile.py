@@ -29,7 +29,7 @@ from chkq.config.routing import QUEUES
 from chkq.consolidation.prepare import prepare
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
-from chkq.tasks import protocol
+from chkq.tasks.state import records
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
 from support.helpers import assert_consolidated, snapshot
@@ -210,7 +210,7 @@ def test_hostile_messages_on_every_queue_leave_worker_and_files_alone(
     make_run(outside, "victim", RunShape(checkpoints=1, trials=10))
     # A real plan on disk, so that unit-number checks are reached.
     planned = uuid.uuid4().hex
-    protocol.store_plan(prepare(run, "run", planned))
+    records().store_plan(prepare(run, "run", planned))
     before_run, before_outside = snapshot(run), snapshot(outside)
 
     for queue in QUEUES:

@@ -27,7 +27,7 @@ from celery.result import AsyncResult
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
-from chkq.tasks.base import deliveries_key
+from chkq.jobs.keys import deliveries as deliveries_key
 from chkq.workers.client import ConsolidationJob, submit_consolidation
 from support.helpers import assert_consolidated, snapshot, wait_for
 from support.plugins.hosts import Host, Hosts, HostWorker, hosts
@@ -277,6 +277,6 @@ def test_broker_unreachable_from_every_worker_for_30_s(cluster: Cluster, tmp_pat
 
 
 def _jobs() -> list[str]:
-    from chkq.tasks.protocol import recent_jobs
+    from chkq.tasks.state import records
 
-    return recent_jobs(5)
+    return records().recent_jobs(5)

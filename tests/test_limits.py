@@ -31,7 +31,7 @@ from chkq.config.limits import CONF_KEY, clamp_limits
 from chkq.config.routing import COMMIT_QUEUE
 from chkq.config.settings import Settings
 from chkq.workers.broker import PrivateRedis
-from chkq.workers.request import WorkerLimitsRequest
+from chkq.workers.runtime.request import WorkerLimitsRequest
 from support.plugins.cluster import WorkerProcess
 
 #: Redis database of these tests (the session's tests use 0).
@@ -141,7 +141,7 @@ def test_every_task_has_the_clamping_request() -> None:
     get_app().finalize()
     assert get_app().conf[CONF_KEY] == (Settings().time_limit, Settings().soft_time_limit)
     for name, task in get_app().tasks.items():
-        assert task.Request == "chkq.workers.request:WorkerLimitsRequest", name
+        assert task.Request == "chkq.workers.runtime.request:WorkerLimitsRequest", name
 
 
 # ------------------------------------------------------------ real processes

@@ -17,7 +17,8 @@ from celery.result import AsyncResult
 from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE, VERIFY_QUEUE
 from chkq.demo import RunShape, make_run
-from chkq.tasks import protocol
+from chkq.jobs.proof import verify_unit_count
+from chkq.tasks.state import records
 from chkq.workers.client import submit_consolidation
 from support.helpers import snapshot, wait_for
 from support.plugins.cluster import WorkerProcess, consumers_paused
@@ -36,7 +37,7 @@ def test_early_link_publishes_nothing_and_deletes_nothing(tmp_path: Path,
     before = snapshot(tmp_path)
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path, cleanup=True)
-        wait_for(lambda: protocol.merged(job.id) is not None, what="merge")
+        wait_for(lambda: records().merged(job.id) is not None, what="merge")
         forge_link(tmp_path, job.id)
         wait_for(lambda: "link refused" in worker.log(), what="the refusal in the log")
         assert not (tmp_path / "run.h5").exists()
@@ -56,8 +57,8 @@ def test_link_after_failed_verification_publishes_nothing(tmp_path: Path,
     before = snapshot(tmp_path)
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path, cleanup=True)
-        wait_for(lambda: protocol.merged(job.id) is not None, what="merge")
-        plan = protocol.recorded_plan(job.id)
+        wait_for(lambda: records().merged(job.id) is not None, what="merge")
+        plan = records().recorded_plan(job.id)
         assert plan is not None
         with open(plan.job.temp, "r+b") as fh:
             fh.seek(plan.datasets[0].chunk_offsets[0])
@@ -77,12 +78,12 @@ def test_link_of_an_output_changed_after_verification_fails(tmp_path: Path,
     before = snapshot(tmp_path)
     with consumers_paused(worker, VERIFY_QUEUE):
         job = submit_consolidation("run", tmp_path, cleanup=True)
-        wait_for(lambda: protocol.merged(job.id) is not None, what="merge")
-        plan = protocol.recorded_plan(job.id)
+        wait_for(lambda: records().merged(job.id) is not None, what="merge")
+        plan = records().recorded_plan(job.id)
         assert plan is not None
         get_app().control.cancel_consumer(CONTROL_QUEUE, destination=[worker.name], reply=True)
     try:
-        wait_for(lambda: len(protocol.verified(job.id)) == protocol.verify_unit_count(plan),
+        wait_for(lambda: len(records().verified(job.id)) == verify_unit_count(plan),
                  what="verification")
         with open(plan.job.temp, "r+b") as fh:
             fh.seek(plan.datasets[0].chunk_offsets[0])

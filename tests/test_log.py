@@ -40,7 +40,7 @@ def test_commit_round_trip_and_record(store: CheckpointStore) -> None:
     assert (record.step, record.label, record.meta) == (3, "first", {"t": 1.5})
     assert record.full_size == len(data)
     assert record.stored_size == len(store.get(record.payload))
-    assert store.exists(log.record_key(checkpoint))
+    assert store.exists(log.keys.record(checkpoint))
     assert checkpoint in log and "0" * 64 not in log
     with pytest.raises(KeyError):
         cold(log).load("0" * 64)
@@ -57,7 +57,7 @@ def test_deltas_are_small(store: CheckpointStore) -> None:
     assert record.stored_size <= 0.02 * len(second)
     assert cold(log).load(b) == second
     fresh = cold(log)
-    fresh.store.delete(log.head_copy_key(b))
+    fresh.store.delete(log.keys.head_copy(b))
     assert fresh.load(b) == second
 
 
@@ -129,9 +129,9 @@ def test_head_copies_follow_the_heads(store: CheckpointStore) -> None:
     b = log.commit(mutate(data, 0.01, 1), a)
     c = log.commit(mutate(data, 0.02, 2), b)
     heads_dir = f"runs/{log.run_id}/heads/"
-    assert store.list(heads_dir) == [log.head_copy_key(c)]
+    assert store.list(heads_dir) == [log.keys.head_copy(c)]
     f = log.fork(b, mutate(data, 0.03, 3))
-    assert store.list(heads_dir) == sorted([log.head_copy_key(c), log.head_copy_key(f)])
+    assert store.list(heads_dir) == sorted([log.keys.head_copy(c), log.keys.head_copy(f)])
     assert cold(log).load(c) == mutate(data, 0.02, 2)
 
 
@@ -167,7 +167,7 @@ def test_corruption_names_checkpoint_and_payload(store: CheckpointStore) -> None
             assert victim in str(caught.value)
             assert payload in str(caught.value)
     assert cold(log).load(c) == mutate(data, 0.02, 2), "the head copy still serves the head"
-    _corrupt(store, log.head_copy_key(c))
+    _corrupt(store, log.keys.head_copy(c))
     with pytest.warns(UserWarning, match="head copy"), pytest.raises(CheckpointCorruptionError):
         cold(log).load(c)
 
@@ -197,7 +197,7 @@ def test_cache_avoids_rereading_the_parent() -> None:
     assert reads() == []
     tiny = CheckpointLog(store, "run", cache_bytes=1)
     assert tiny.load(parent) == log.load(parent)
-    assert reads() == [log.head_copy_key(parent)]
+    assert reads() == [log.keys.head_copy(parent)]
 
 
 
@@ -214,7 +214,7 @@ def test_concurrent_processes_commit_one_history(tmp_path: Path) -> None:
     assert [r.id for r in log.lineage(results[0][-1])] == results[0]
     assert_log_consistent(log)
     heads_dir = "runs/shared/heads/"
-    assert set(log.store.list(heads_dir)) <= {log.head_copy_key(results[0][-1])}
+    assert set(log.store.list(heads_dir)) <= {log.keys.head_copy(results[0][-1])}
 
 
 @LOCAL
@@ -225,9 +225,9 @@ def test_gc_removes_only_old_unreferenced_payloads(store: CheckpointStore) -> No
     b = log.commit(mutate(data, 0.01, 1), a)
     orphan_data = mutate(data, 0.05, 2)
     orphan_id = hashlib.sha256(orphan_data).hexdigest()
-    orphan = log.payload_key(orphan_id, "full", None)
+    orphan = log.keys.payload(orphan_id, "full", None)
     store.put_if_absent(orphan, b"written by a writer killed before its record")
-    stale_copy = log.head_copy_key(a)
+    stale_copy = log.keys.head_copy(a)
     store.put_if_absent(stale_copy, b"left by a writer killed before deleting it")
     referenced = sorted(r.payload for r in log.manifest())
 
@@ -235,7 +235,7 @@ def test_gc_removes_only_old_unreferenced_payloads(store: CheckpointStore) -> No
     assert store.exists(orphan)
     assert log.gc(older_than=0) == [orphan]
     assert store.list(f"runs/{log.run_id}/payloads/") == referenced
-    assert store.exists(log.head_copy_key(b))
+    assert store.exists(log.keys.head_copy(b))
     assert log.gc(older_than=0) == []
     assert_log_consistent(cold(log))
     assert log.commit(orphan_data, b) == orphan_id
@@ -248,7 +248,7 @@ def test_commit_survives_gc_of_a_reused_orphan_payload() -> None:
     log = CheckpointLog(store, "run")
     data = blob(10_000, 14)
     checkpoint = hashlib.sha256(data).hexdigest()
-    orphan = log.payload_key(checkpoint, "full", None)
+    orphan = log.keys.payload(checkpoint, "full", None)
     log.store.put_if_absent(orphan, compress_full(data))
     collected: list[str] = []
     store.before("put_if_absent", lambda operation, key: collected.extend(

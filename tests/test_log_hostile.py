@@ -78,7 +78,7 @@ def delta_chain(store: CheckpointStore) -> tuple[CheckpointLog, list[str], list[
     second[1000:1100] = os.urandom(100)
     a = log.commit(first, name="m_chk00001.h5")
     b = log.commit(bytes(second), a, name="m_chk00002.h5")
-    assert log.record(b).kind == "delta" and store.exists(log.head_copy_key(b))
+    assert log.record(b).kind == "delta" and store.exists(log.keys.head_copy(b))
     return log, [a, b], [first, bytes(second)]
 
 
@@ -87,13 +87,13 @@ def plant_record(store: CheckpointStore, run: str, payload: bytes, full_size: in
     """An added record (with payload and name entry) declaring ``full_size`` bytes."""
     log = CheckpointLog(store, run, trust=LogTrust())
     ident = hashlib.sha256(name.encode()).hexdigest()
-    key = log.payload_key(ident, "full", None)
+    key = log.keys.payload(ident, "full", None)
     record = CheckpointRecord(id=ident, parent=None, kind="full", base=None, depth=0,
                               payload=key, stored_size=len(payload), full_size=full_size)
     store.put(key, payload)
-    store.put(log.record_key(ident), record.to_json())
+    store.put(log.keys.record(ident), record.to_json())
     entry = NameEntry(name=name, id=ident)
-    store.put(log.entry_key(entry), entry.to_json())
+    store.put(log.keys.entry(entry.digest()), entry.to_json())
     return ident
 
 
@@ -103,12 +103,12 @@ def test_a_head_copy_bomb_is_refused_in_bounded_memory_and_the_chain_serves(
         kind: str, request: pytest.FixtureRequest, tmp_path: Path, gib_bomb: bytes) -> None:
     store = make_store(kind, request, tmp_path)
     log, ids, data = delta_chain(store)
-    store.put(log.head_copy_key(ids[1]), gib_bomb)
+    store.put(log.keys.head_copy(ids[1]), gib_bomb)
     url = store.url
 
     verify, peak = chkq_measured("log", "verify", url, "run")
     assert verify.returncode == 1 and peak < RSS_BOUND, (peak, verify.stdout)
-    assert f"problem {log.head_copy_key(ids[1])}: head copy of checkpoint {ids[1]} does not " \
+    assert f"problem {log.keys.head_copy(ids[1])}: head copy of checkpoint {ids[1]} does not " \
            "decode: payload expands beyond its declared 300000 bytes" in verify.stdout
 
     target = tmp_path / "pulled.bin"
@@ -147,7 +147,7 @@ def test_an_added_record_whose_payload_is_a_bomb_fails_alone(
 
     verify, peak = chkq_measured("log", "verify", store.url, "run", "--read-data")
     assert verify.returncode == 1 and peak < RSS_BOUND, (peak, verify.stdout)
-    assert f"problem {log.payload_key(planted, 'full', None)}" in verify.stdout
+    assert f"problem {log.keys.payload(planted, 'full', None)}" in verify.stdout
     assert "2 rebuilt" in verify.stdout
 
 
@@ -165,7 +165,7 @@ def test_the_size_cap_refuses_a_record_that_declares_more_and_a_commit_of_more(
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "m_chk00001.h5", "m_chk00002.h5"]
     assert "1 file(s) not restored (first: evil.h5: checkpoint" in restore.stderr
-    assert (f"warning: {log.record_key(planted)}: record refused: it declares {GiB} bytes, "
+    assert (f"warning: {log.keys.record(planted)}: record refused: it declares {GiB} bytes, "
             f"above the {64 * MiB}-byte limit (CHKQ_LOG_MAX_CHECKPOINT_BYTES)") in restore.stderr
 
     big = tmp_path / "big.bin"
@@ -216,19 +216,19 @@ def test_a_deeply_nested_json_record_is_reported_and_the_rest_served(
         store = make_store(kind, request, tmp_path)
     log, ids, data = delta_chain(store)
     deep = "f" * 64
-    store.put(log.record_key(deep), b"[" * 200_000 + b"]" * 200_000)
+    store.put(log.keys.record(deep), b"[" * 200_000 + b"]" * 200_000)
     if kind == "memory":
         reader = CheckpointLog(store, "run")
         assert [r.id for r in reader.manifest()] == ids
-        assert reader.malformed == {log.record_key(deep): "malformed record: record is "
+        assert reader.malformed == {log.keys.record(deep): "malformed record: record is "
                                     "nested too deeply"}
         report = CheckpointLog(store, "run").verify()
-        assert report.problems == [(log.record_key(deep),
+        assert report.problems == [(log.keys.record(deep),
                                     "malformed record: record is nested too deeply")]
         return
     results = run_commands(store, tmp_path)
     assert_run_still_served(results, ids, tmp_path, data)
-    warning = f"{log.record_key(deep)}: malformed record: record is nested too deeply"
+    warning = f"{log.keys.record(deep)}: malformed record: record is nested too deeply"
     assert f"warning: {warning}" in results["list"].stderr
     assert f"problem {warning}" in results["verify"].stdout
     assert results["verify"].returncode == 1
@@ -415,7 +415,7 @@ def test_the_commit_task_on_a_parent_whose_head_copy_is_a_bomb_stays_bounded(
         tmp_path: Path, worker: WorkerProcess, gib_bomb: bytes) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
     log, ids, data = delta_chain(store)
-    store.put(log.head_copy_key(ids[1]), gib_bomb)
+    store.put(log.keys.head_copy(ids[1]), gib_bomb)
     third = tmp_path / "m_chk00003.h5"
     third.write_bytes(data[1][:-10] + b"0123456789")
     done = record_of(submit_commit(store.url, "run", third, parent=ids[1],
@@ -448,7 +448,7 @@ def test_huge_planted_records_and_payloads_are_refused_without_being_read(
     with open(store.root / "runs" / "run" / "records" / f"{huge}.json", "wb") as fh:
         fh.truncate(2 * GiB)  # sparse: costs no disk, reads as 2 GiB of zeros
     padded = plant_record(store, "run", b"x", 1, "padded.h5")
-    with open(store.root / log.payload_key(padded, "full", None), "r+b") as fh:
+    with open(store.root / log.keys.payload(padded, "full", None), "r+b") as fh:
         fh.truncate(2 * GiB)
 
     restore, peak = chkq_measured("log", "restore", store.url, "run", str(tmp_path / "out"))
@@ -456,7 +456,7 @@ def test_huge_planted_records_and_payloads_are_refused_without_being_read(
     assert restore.returncode == 1
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "m_chk00001.h5", "m_chk00002.h5"]
-    assert (f"warning: {log.record_key(huge)}: malformed record: record of {MiB + 1} bytes "
+    assert (f"warning: {log.keys.record(huge)}: malformed record: record of {MiB + 1} bytes "
             f"is larger than {MiB}") in restore.stderr
     assert "not restored: padded.h5" in restore.stderr
     assert "payload is larger than its record's 1 bytes" in restore.stderr
@@ -469,7 +469,7 @@ def test_huge_planted_records_and_payloads_are_refused_without_being_read(
 def test_gc_deletes_a_huge_planted_orphan_without_reading_it(tmp_path: Path) -> None:
     store = LocalDirectoryStore(tmp_path / "store")
     log, ids, data = delta_chain(store)
-    orphan = store.root / log.payload_key("c" * 64, "full", None)
+    orphan = store.root / log.keys.payload("c" * 64, "full", None)
     with open(orphan, "wb") as fh:
         fh.truncate(2 * GiB)
     old = os.stat(orphan).st_mtime - 2 * 86400
@@ -477,6 +477,6 @@ def test_gc_deletes_a_huge_planted_orphan_without_reading_it(tmp_path: Path) -> 
     gc, peak = chkq_measured("log", "gc", store.url, "run",
                              env={"CHKQ_LOG_MAX_CHECKPOINT_BYTES": str(64 * MiB)})
     assert gc.returncode == 0 and peak < RSS_BOUND, (peak, gc.stderr)
-    assert gc.stdout.split() == [log.payload_key("c" * 64, "full", None)]
+    assert gc.stdout.split() == [log.keys.payload("c" * 64, "full", None)]
     assert not orphan.exists()
     assert CheckpointLog(store, "run").load(ids[1]) == data[1]

@@ -109,7 +109,7 @@ def test_format_1_logs_still_restore(tmp_path: Path) -> None:
     parent = None
     for name, data in files.items():
         parent = log.commit(data, parent)
-        key = log.record_key(parent)
+        key = log.keys.record(parent)
         record = json.loads(store.get(key))
         del record["format"]
         record["meta"] = {"name": name, "model": "m"}
@@ -207,7 +207,7 @@ def test_a_malformed_record_is_reported_and_the_rest_lists_and_restores(
     log = CheckpointLog(store, "r1")
     files = {f"m_chk{i:05d}.h5": blob(3000, 10 + i) for i in range(1, 4)}
     ids = {name: log.commit(data, name=name) for name, data in files.items()}
-    bad = log.record_key(ids["m_chk00002.h5"])
+    bad = log.keys.record(ids["m_chk00002.h5"])
     record = json.loads(store.get(bad))
     record["depth"] = "zero"
     store.put(bad, json.dumps(record).encode())
@@ -241,7 +241,7 @@ def test_gc_never_deletes_a_payload_a_concurrent_commit_records() -> None:
     for at in range(1, 9):
         name = f"gc-{at}-{os.getpid()}-{id(object())}"
         setup = CheckpointLog(MemoryStore(name), "run")
-        orphan = setup.payload_key(checkpoint, "full", None)
+        orphan = setup.keys.payload(checkpoint, "full", None)
         setup.store.put(orphan, compress_full(data))
         store = FaultyStore(MemoryStore(name))
         watched = (orphan.rsplit("/", 1)[1], f"{checkpoint}.json")
@@ -267,7 +267,7 @@ def test_gc_settles_the_trash_of_a_gc_that_died() -> None:
     data = blob(5000, 6)
     checkpoint = log.commit(data)
     payload = log.record(checkpoint).payload
-    trash = log.trash_key(payload)
+    trash = log.keys.trash(payload)
     store.put(trash, store.get(payload))
     store.delete(payload)  # the dead gc's delete, after the commit recorded it
     assert log.gc(older_than=3600) == []

@@ -314,8 +314,9 @@ def test_restore_outputs_brings_back_the_verified_file_and_refuses_a_damaged_one
     with h5py.File(target, "r") as fh:
         assert fh["data"].shape == (200, 3)
     assert os.listdir(out_dir) == [f"{MODEL}.h5"]
-    code, _, err = cli(capsys, "restore", url, RUN, str(out_dir), MODEL, "--outputs")
-    assert code == 0 and "(1 already there)" in err
+    code, out, err = cli(capsys, "restore", url, RUN, str(out_dir), MODEL, "--outputs")
+    assert code == 0 and out == "", out
+    assert "restored 0 file(s), 0 bytes" in err and "; 1 file(s) already there" in err, err
 
     code, _, err = cli(capsys, "restore", url, RUN, str(tmp_path / "none"), "other",
                        "--outputs")
@@ -403,10 +404,10 @@ def test_gc_keeps_outputs_and_outputs_keep_nothing_alive(local_store: Checkpoint
     publish(log, data, ids, names)
     unrecorded = f"runs/{RUN}/outputs/crashed-publisher.h5"
     local_store.put(unrecorded, b"published, never recorded")
-    orphan = log.payload_key(ids[0], "delta", ids[2])
+    orphan = log.keys.payload(ids[0], "delta", ids[2])
     local_store.put(orphan, b"a losing writer's payload of a checkpoint the output names")
-    stale = log.head_copy_key(ids[1])
-    local_store.put(stale, local_store.get(log.head_copy_key(ids[2])))
+    stale = log.keys.head_copy(ids[1])
+    local_store.put(stale, local_store.get(log.keys.head_copy(ids[2])))
     outputs_before = {k: local_store.get(k) for k in local_store.list(f"runs/{RUN}/outputs/")}
     assert set(outputs_before) == {ENTRY_KEY, OBJECT_KEY, unrecorded}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -161,6 +162,49 @@ def test_gc_removes_only_payloads_left_by_a_crashed_committer(tmp_path: Path) ->
     assert out.stdout.split() == [orphan]
     assert payload_keys(url, "r1") == before - {orphan}
     assert log.load(log.heads()[0].id) == paths[0].read_bytes()
+
+
+@pytest.mark.cluster
+def test_gc_says_which_orphans_it_kept_for_their_age(tmp_path: Path) -> None:
+    """An orphan ``log verify`` reports, younger than ``--older-than``: gc says it kept it, why."""
+    url = f"file://{tmp_path / 'store'}"
+    paths = checkpoint_series(tmp_path / "run", 1)
+    log = CheckpointLog(open_store(url), "r1")
+    log.commit(paths[0].read_bytes())
+    orphan = f"runs/r1/payloads/{'ab' * 32}.full.zst"
+    log.store.put(orphan, b"left by a committer killed before its record")
+    verified = chkq("log", "verify", url, "r1")
+    assert f"orphan {orphan}" in verified.stdout, verified.stdout
+    out = chkq("log", "gc", url, "r1")
+    assert out.returncode == 0 and out.stdout == "", out.stderr
+    lines = out.stderr.splitlines()
+    assert re.fullmatch(rf"kept {orphan}: unreferenced but \d+ s old, younger than "
+                        r"--older-than 86,400 s \(a commit may still be recording it\)",
+                        lines[0]), lines
+    assert lines[1] == ("removed 0 unreferenced payload(s) and 0 unfinished upload(s); kept 1 "
+                        "unreferenced payload for its age (removed by a gc once older than "
+                        "86,400 s)"), lines
+    assert orphan in payload_keys(url, "r1")
+
+
+@pytest.mark.cluster
+def test_restore_into_a_directory_holding_the_files_lists_none_as_restored(
+        tmp_path: Path) -> None:
+    """Files already there with their committed bytes are kept, and not listed as restored."""
+    url = f"file://{tmp_path / 'store'}"
+    paths = checkpoint_series(tmp_path / "run", 2)
+    for path in paths:
+        assert chkq("log", "commit", url, "r1", str(path)).returncode == 0
+    back = tmp_path / "back"
+    first = chkq("log", "restore", url, "r1", str(back))
+    assert first.returncode == 0, first.stderr
+    assert sorted(first.stdout.split()) == sorted(str(back / p.name) for p in paths)
+    (back / paths[1].name).unlink()
+    again = chkq("log", "restore", url, "r1", str(back))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split() == [str(back / paths[1].name)]
+    assert again.stderr.endswith(f"into {back}; 1 file(s) already there with their committed "
+                                 "bytes were kept, not rewritten\n"), again.stderr
 
 
 def test_commit_options_are_one_message_format_checked_field_by_field() -> None:

@@ -10,11 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import h5py
@@ -27,7 +23,7 @@ from chkq.log.transfer import restore_run
 from chkq.stores import CheckpointStore, LocalDirectoryStore
 from chkq.watcher import Watcher
 from chkq.workers.cli import main as chkq_main
-from chkq.workers.watch import committed_names
+from chkq.workers.cli.watch import committed_names
 from support.plugins.users import LocalUser
 
 FAR_FUTURE = 4102444800.0  # 2100-01-01
@@ -41,7 +37,7 @@ def plant(store: CheckpointStore, run: str, name: str, data: bytes,
     log = CheckpointLog(store, run, trust=LogTrust())
     ident = log.commit(data)
     entry = NameEntry(name=name, id=ident, model="V", writer="attacker", created=created)
-    assert store.put_if_absent(log.entry_key(entry), entry.to_json())
+    assert store.put_if_absent(log.keys.entry(entry.digest()), entry.to_json())
     return ident
 
 
@@ -108,7 +104,7 @@ def test_a_signed_entry_cannot_be_replayed_into_another_run_or_edited(
     log = CheckpointLog(store, "run", trust=mine)
     real = log.commit(REAL, name="V_chk00003.h5", model="V")
     other_run = CheckpointLog(store, "other", trust=mine)
-    other_run.commit(PLANTED, name="V_chk00003.h5", model="V")
+    other_run.commit(PLANTED, name="V_chk00004.h5", model="V")
     # Copy the other run's signed record, payload and entry into "run" under the right keys.
     for key in store.list("runs/other/"):
         store.put(key.replace("runs/other/", "runs/run/", 1), store.get(key))
@@ -198,26 +194,9 @@ log = CheckpointLog(store, "run1", trust=LogTrust())
 ident = log.commit(b"the attacker's checkpoint" * 1000)
 entry = NameEntry(name="V_chk00003.h5", id=ident, model="V", writer="attacker",
                   created=4102444800.0)
-assert store.put_if_absent(log.entry_key(entry), entry.to_json())
+assert store.put_if_absent(log.keys.entry(entry.digest()), entry.to_json())
 print(ident)
 """
-
-
-def cli(user: LocalUser, *args: str, env: dict[str, str] | None = None
-        ) -> subprocess.CompletedProcess[bytes]:
-    return user.run(["sh", "-c", 'umask 000; exec "$@"', "sh", sys.executable, "-m",
-                     "chkq.workers.cli", *args], env=env)
-
-
-@pytest.fixture
-def shared() -> Iterator[Path]:
-    """A directory both users can write to (a project's shared store space)."""
-    path = Path(tempfile.mkdtemp(prefix="chkq-shared-"))
-    path.chmod(0o777)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
@@ -240,7 +219,7 @@ def test_another_user_with_write_access_to_a_shared_store_cannot_choose_what_res
         (run_dir / name).chmod(0o600)
     victim.chown_tree(run_dir)
     for name in files:
-        done = cli(victim, "log", "commit", store, "run1", str(run_dir / name), env=env)
+        done = victim.chkq("log", "commit", store, "run1", str(run_dir / name), env=env)
         assert done.returncode == 0, done.stderr
 
     attack = attacker.run(["sh", "-c", 'umask 000; exec "$@"', "sh", sys.executable, "-c",
@@ -280,20 +259,25 @@ def test_objects_planted_at_the_keys_a_commit_will_use_do_not_lose_it(
     first = log.commit(b"first checkpoint" * 1000, name="V_chk00001.h5", model="V")
     coming = b"second checkpoint" * 1000
     ident = hashlib.sha256(coming).hexdigest()
-    store.put(log.payload_key(ident, "full", None), b"garbage")
+    store.put(log.keys.payload(ident, "full", None), b"garbage")
     for kind, base in (("delta", first), ("full", None)):
-        store.put(log.payload_key(ident, kind, base), b"garbage")
+        store.put(log.keys.payload(ident, kind, base), b"garbage")
     planted = NameEntry(name="V_chk00002.h5", id=ident, model="V", writer="x")
-    store.put(log.record_key(ident), b'{"format": 2, "id": "' + ident.encode() + b'"}')
-    store.put(log.entry_key(planted), b"junk")
+    store.put(log.keys.record(ident), b'{"format": 2, "id": "' + ident.encode() + b'"}')
+    store.put(log.keys.entry(planted.digest()), b"junk")
+    junk = log.keys.numbered_entry("V_chk00002.h5", 1)
+    store.put(junk, b"junk")  # where the name's first numbered entry would go
 
     assert CheckpointLog(store, "run", trust=trust).commit(
         coming, first, name="V_chk00002.h5", model="V") == ident
     reader = CheckpointLog(store, "run", trust=trust)
     assert reader.load(ident) == coming
     assert reader.files()["V_chk00002.h5"].id == ident
+    assert reader.files()["V_chk00002.h5"].seq == 2  # the junk is skipped, never replaced
     report = CheckpointLog(store, "run", trust=trust).verify(read_data=True)
-    assert report.problems == [] and report.decoded == 2
+    assert sorted(key for key, _ in report.problems) == sorted(
+        [junk, log.keys.entry(planted.digest())])
+    assert all("not JSON" in why for _, why in report.problems) and report.decoded == 2
 
 
 def test_a_reader_without_a_signing_key_refuses_to_commit_what_it_would_refuse(

@@ -50,7 +50,7 @@ def chain(store: CheckpointStore) -> tuple[CheckpointLog, list[str]]:
         ids.append(parent)
         data = mutate(data, step)
     assert [log.record(i).kind for i in ids] == ["full", "delta", "delta"]
-    assert store.exists(log.head_copy_key(ids[2]))
+    assert store.exists(log.keys.head_copy(ids[2]))
     return log, ids
 
 
@@ -93,7 +93,7 @@ def test_corrupted_middle_payload_reports_it_and_what_depends_on_it(
 
 def test_corrupted_head_copy_is_found_without_reading_data(store: CheckpointStore) -> None:
     log, ids = chain(store)
-    copy = log.head_copy_key(ids[2])
+    copy = log.keys.head_copy(ids[2])
     corrupt(store, copy)
     report = fresh(log).verify()
     assert [key for key, _ in report.problems] == [copy]
@@ -103,7 +103,7 @@ def test_corrupted_head_copy_is_found_without_reading_data(store: CheckpointStor
 def test_head_copy_of_other_bytes_is_found(store: CheckpointStore) -> None:
     """A well-formed frame of the wrong checkpoint (not a decode error) is found too."""
     log, ids = chain(store)
-    copy = log.head_copy_key(ids[2])
+    copy = log.keys.head_copy(ids[2])
     from chkq.log.delta import compress_full
 
     store.put(copy, compress_full(log.load(ids[1])))
@@ -156,7 +156,7 @@ def test_verify_command(store: CheckpointStore) -> None:
 
     corrupt(store, log.record(ids[2]).payload)
     store.delete(log.record(ids[0]).payload)
-    corrupt(store, log.head_copy_key(ids[2]))
+    corrupt(store, log.keys.head_copy(ids[2]))
     bad = chkq("log", "verify", url, "run", "--read-data")
     assert bad.returncode == 1
     problems = [line for line in bad.stdout.splitlines() if line.startswith("problem ")]

@@ -110,5 +110,31 @@ def test_tests_import_chkq_as_users_do() -> None:
     for name in sorted(BARE_NAMES):
         with pytest.raises(ModuleNotFoundError):
             importlib.import_module(name)
-    protocol = importlib.import_module("chkq.tasks.protocol")
-    assert Path(protocol.__file__).resolve() == root / "tasks" / "protocol.py"
+    canvas = importlib.import_module("chkq.tasks.canvas")
+    assert Path(canvas.__file__).resolve() == root / "tasks" / "canvas.py"
+
+
+@pytest.mark.cluster
+def test_import_chkq_beside_a_checkout_named_chkq_says_what_it_found(tmp_path: Path) -> None:
+    """Python in the directory holding a checkout cloned as ``chkq/``: a clear ImportError.
+
+    The current directory comes first on ``sys.path``; the checkout's top folder is
+    found before the installed package, and must not pass for it.
+    """
+    import chkq
+
+    checkout = Path(chkq.__file__).resolve().parent.parent
+    (tmp_path / "chkq").symlink_to(checkout, target_is_directory=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-c", "import chkq; chkq.consolidate_checkpoints"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"ImportError: 'import chkq' found the chkq checkout '{tmp_path / 'chkq'}' (Python "
+        "looks in the current directory first), not the chkq package: run Python from another "
+        "directory; installed (pip install -e CHECKOUT), chkq imports from any other"), \
+        done.stderr
+    elsewhere = subprocess.run([sys.executable, "-c", "import chkq; chkq.consolidate_checkpoints"],
+                               cwd=tmp_path / "chkq", env=env, capture_output=True, text=True,
+                               timeout=60)
+    assert elsewhere.returncode == 0, elsewhere.stderr

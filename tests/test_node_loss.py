@@ -28,11 +28,12 @@ from chkq.consolidation.plan import MIN_UNIT_BYTES, unit_bytes
 from chkq.consolidation.prepare import prepare
 from chkq.demo import RunShape, make_run
 from chkq.errors import ConfigurationError
-from chkq.tasks.base import RATE_KEY, RATE_KINDS, slowest_rates
-from chkq.tasks.protocol import task_id
+from chkq.jobs.keys import rate as rate_key
+from chkq.jobs.records import task_id
+from chkq.tasks.base import RATE_KINDS, slowest_rates
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
-from chkq.workers.request import requeue_delay
+from chkq.workers.runtime.request import requeue_delay
 from support.helpers import assert_consolidated
 from support.plugins.faults import Cluster
 
@@ -91,7 +92,7 @@ class _App:
 def test_the_slowest_fresh_rate_of_any_node_is_used() -> None:
     client = fakeredis.FakeRedis()
     now = time.time()
-    key = RATE_KEY.format(kind="copy")
+    key = rate_key("copy")
     client.hset(key, "a@n", json.dumps([50e6, now]))
     client.hset(key, "b@n", json.dumps([20e6, now - 60]))
     client.hset(key, "stale@n", json.dumps([1e3, now - 3 * 24 * 3600]))
@@ -133,7 +134,7 @@ def test_a_worker_records_its_own_rates(make_cluster: Callable[..., Cluster],
     _consolidate(tmp_path / "run")
     for kind in RATE_KINDS:
         recorded = {n.decode(): json.loads(v)
-                    for n, v in rates.hgetall(RATE_KEY.format(kind=kind)).items()}
+                    for n, v in rates.hgetall(rate_key(kind)).items()}
         assert list(recorded) == [worker.name], kind
         (rate, when), = recorded.values()
         assert rate > 0 and abs(time.time() - when) < 300, (kind, rate, when)
@@ -151,7 +152,7 @@ def test_the_slowest_nodes_rate_cuts_the_next_jobs_units(make_cluster: Callable[
     rates = cluster.client()
     unbounded, _ = _consolidate(tmp_path / "first")
     for kind in RATE_KINDS:
-        rates.hset(RATE_KEY.format(kind=kind), "slow@node",
+        rates.hset(rate_key(kind), "slow@node",
                    json.dumps([1e3 if kind == "merge" else 2 * MiB, time.time()]))
     budgeted, _ = _consolidate(tmp_path / "second")
     print(f"\ncopy units: {unbounded['copy_units']} by bytes, {budgeted['copy_units']} "

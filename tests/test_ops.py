@@ -29,7 +29,7 @@ import pytest
 
 from chkq.demo import RunShape, make_run
 from chkq.workers.broker import PrivateRedis, free_port
-from chkq.workers.launch import launch_worker
+from chkq.workers.runtime.launch import launch_worker
 from support import helpers
 from support.helpers import assert_consolidated, corrupt_chunk, snapshot
 
@@ -159,6 +159,7 @@ def finished_job(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
     return job, state, out_dir, files
 
 
+@pytest.mark.cluster
 def test_consolidation_is_seen_by_flower_with_progress(
     cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]],
 ) -> None:
@@ -195,6 +196,7 @@ def test_consolidation_is_seen_by_flower_with_progress(
     assert cluster.get("/healthcheck")[0] == 200
 
 
+@pytest.mark.cluster
 def test_every_task_logs_one_start_and_one_end_line(
     cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]],
 ) -> None:
@@ -221,6 +223,7 @@ def test_every_task_logs_one_start_and_one_end_line(
                if kind == "end" and name in ("chkq.copy", "chkq.verify"))
 
 
+@pytest.mark.cluster
 def test_plan_and_link_end_lines_carry_bytes(
     cluster: Cluster, finished_job: tuple[str, dict[str, Any], Path, list[Path]],
 ) -> None:
@@ -339,7 +342,8 @@ def test_status_takes_an_id_prefix_and_shows_what_the_job_wrote(
     shown = cluster.chkq("status", job[:10])
     assert shown.returncode == 0, shown.stderr
     assert f"job {job}: SUCCESS" in shown.stdout
-    assert re.search(r"wrote [\d,]+ rows from 4 files, [\d.,]+ MB in [\d.]+ s", shown.stdout)
+    assert re.search(r"wrote 7 datasets of up to [\d,]+ rows from 4 files, [\d.,]+ MB in "
+                     r"[\d.]+ s", shown.stdout)
     assert re.search(r"warning: checkpoint directory .*run_chk00002.* was kept: it holds "
                      r"other files \(README\)", shown.stdout), shown.stdout
     state = json.loads(cluster.chkq("status", job[:8], "--json").stdout)

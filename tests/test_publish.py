@@ -11,22 +11,26 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from chkq.errors import FileChangedError, StoredBytesMismatchError, TransientStoreError
-from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore
+from chkq.stores import CheckpointStore, LocalDirectoryStore, MemoryStore, local_files
 from chkq.stores.faults import FaultyStore
 from chkq.stores.publish import FileDigests, publish_file, published_as, sweep_uploads
 from support.plugins.object_stores import BUCKET, FaultProxy
+from support.plugins.users import LocalUser
 
 MiB = 1 << 20
 KEY = "out/MODEL.h5"
@@ -55,6 +59,13 @@ def source(tmp_path: Path) -> tuple[Path, bytes]:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def private_temporaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local store writes as on a filesystem without O_TMPFILE (NFS): through a directory
+    of the writer's own, where a killed or failed upload leaves something to sweep."""
+    monkeypatch.setattr(local_files, "ANONYMOUS", False)
 
 
 def nothing_left(store: CheckpointStore, *keys: str) -> None:
@@ -255,6 +266,7 @@ def test_a_failure_mid_upload_leaves_nothing(store: CheckpointStore, source: tup
     nothing_left(store)
 
 
+@pytest.mark.usefixtures("private_temporaries")
 def test_an_upload_whose_abort_failed_is_swept(store: CheckpointStore,
                                                source: tuple[Path, bytes]) -> None:
     path, _ = source
@@ -314,7 +326,7 @@ def _overwrite_a_part(store: CheckpointStore) -> Callable[[str, str], None]:
     """Overwrite one byte of the staged parts (GCS) or the temporary (local) before completion."""
     def tamper(operation: str, key: str) -> None:
         if isinstance(store, LocalDirectoryStore):
-            (temporary,) = (store.root / ".chkq-tmp").glob("*.upload")
+            (temporary,) = store.root.glob(".chkq-tmp-*/data")
             with temporary.open("r+b") as handle:
                 handle.seek(PART + 100)
                 byte = handle.read(1)
@@ -333,6 +345,7 @@ def _overwrite_a_part(store: CheckpointStore) -> Callable[[str, str], None]:
 
 
 @pytest.mark.parametrize("store", ["file", "s3", "gcs"], indirect=True)
+@pytest.mark.usefixtures("private_temporaries")
 def test_a_part_corrupted_on_its_way_is_caught_and_nothing_is_left(
         store: CheckpointStore, source: tuple[Path, bytes]) -> None:
     """The proof is of the stored bytes: moto accepts a part whose ChecksumSHA256 header
@@ -355,6 +368,7 @@ def test_a_part_corrupted_on_its_way_is_caught_and_nothing_is_left(
     nothing_left(store)
 
 
+@pytest.mark.usefixtures("private_temporaries")
 def test_a_corrupted_object_that_cannot_be_deleted_is_named(tmp_path: Path,
                                                              source: tuple[Path, bytes]) -> None:
     path, _ = source
@@ -441,6 +455,7 @@ def test_s3_proof_reads_no_object(request: pytest.FixtureRequest,
 
 
 @pytest.mark.parametrize("store", ["file", "gcs"], indirect=True)
+@pytest.mark.usefixtures("private_temporaries")
 def test_sweep_leaves_young_uploads_alone(store: CheckpointStore) -> None:
     """moto reports one fixed start time (2010) for every upload, so S3 is not here."""
     upload = store.upload(KEY, part_size=PART)
@@ -457,9 +472,13 @@ def test_sweep_leaves_young_uploads_alone(store: CheckpointStore) -> None:
 _PUBLISHER = """
 import sys, time
 from chkq.stores import open_store
+from chkq.stores import local_files
 from chkq.stores.faults import FaultyStore
 from chkq.stores.publish import publish_file
 
+if sys.argv[3:] == ["private"]:
+    import chkq.stores.local_files
+    chkq.stores.local_files.ANONYMOUS = False
 store = FaultyStore(open_store(sys.argv[1]))
 
 def pause(operation, key):
@@ -471,13 +490,15 @@ publish_file(store, "out/MODEL.h5", sys.argv[2], part_bytes=5 << 20)
 """
 
 
-@pytest.mark.parametrize("store", ["file", "s3", "gcs"], indirect=True)
+@pytest.mark.parametrize(("store", "how"), [("file", "O_TMPFILE"), ("file", "private"),
+                                           ("s3", ""), ("gcs", "")], indirect=["store"])
 @pytest.mark.cluster
 @pytest.mark.fault
 def test_a_killed_publisher_leaves_nothing_at_the_key_and_sweep_removes_its_upload(
-        store: CheckpointStore, source: tuple[Path, bytes]) -> None:
+        store: CheckpointStore, source: tuple[Path, bytes], how: str) -> None:
+    """A local store's O_TMPFILE upload dies with its process: nothing at all is left."""
     path, data = source
-    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, store.url, str(path)],
+    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, store.url, str(path), how],
                                  stdout=subprocess.PIPE, text=True)
     try:
         assert publisher.stdout is not None
@@ -488,12 +509,16 @@ def test_a_killed_publisher_leaves_nothing_at_the_key_and_sweep_removes_its_uplo
     assert publisher.returncode == -signal.SIGKILL
     assert not store.exists(KEY)
     assert store.list() == []
-    (stray,) = store.stray_uploads()
-    assert stray.key == ("" if isinstance(store, LocalDirectoryStore) else KEY)
-    if kind_of(store) != "s3":
-        assert abs(stray.started - time.time()) < 120
-        assert sweep_uploads(store, older_than=3600) == [], "young: maybe a publish in flight"
-    assert sweep_uploads(store, older_than=0) == [stray]
+    if how == "O_TMPFILE":
+        assert store.stray_uploads() == []
+        assert list(store.root.iterdir()) == [], "not a name left in the store"  # type: ignore[attr-defined]
+    else:
+        (stray,) = store.stray_uploads()
+        assert stray.key == ("" if isinstance(store, LocalDirectoryStore) else KEY)
+        if kind_of(store) != "s3":
+            assert abs(stray.started - time.time()) < 120
+            assert sweep_uploads(store, older_than=3600) == [], "young: maybe a publish in flight"
+        assert sweep_uploads(store, older_than=0) == [stray]
     nothing_left(store)
     published = publish_file(store, KEY, path, part_bytes=PART, sha256=sha(data))
     assert store.get(KEY) == data and published.size == SIZE
@@ -527,3 +552,211 @@ def test_a_file_linked_into_a_local_store_is_the_object(source: tuple[Path, byte
     with pytest.raises(FileExistsError, match=KEY):
         publish_file(store, KEY, other)
     assert store.get(KEY) == data
+
+
+# a local store's directory shared with other users ---------------------------------------
+
+_SWAP = """
+import os, sys
+tmp = os.path.join(sys.argv[1], ".chkq-tmp")
+swapped = 0
+for name in os.listdir(tmp):
+    path = os.path.join(tmp, name)
+    if os.stat(path).st_uid == os.getuid():
+        continue
+    os.rename(path, path + ".stolen")
+    with open(path + ".stolen", "rb") as theirs, open(path, "wb") as mine:
+        mine.write(theirs.read())
+    os.chmod(path, 0o666)
+    swapped += 1
+print(swapped)
+"""
+
+
+@pytest.fixture
+def shared_store(local_users: tuple[LocalUser, LocalUser]) -> Iterator[Path]:
+    """A directory both users may write (mode 1777, as /tmp): the store's root."""
+    victim, _ = local_users
+    shared = victim.home.parent / f"shared-{random.randrange(1 << 32):08x}"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    yield shared
+    shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.fixture
+def victims_output(local_users: tuple[LocalUser, LocalUser]) -> Iterator[tuple[Path, bytes]]:
+    """The victim's verified output, mode 0600, on another filesystem than the store (tmpfs)."""
+    victim, _ = local_users
+    scratch = Path(tempfile.mkdtemp(prefix="chkq-scratch-", dir="/dev/shm"))
+    data = random.Random(11).randbytes(3 * MiB + 5)
+    path = scratch / "MODEL.h5"
+    path.write_bytes(data)
+    path.chmod(0o600)
+    os.chown(path, victim.uid, victim.gid)
+    yield path, data
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _tries_to_write(user: LocalUser, path: Path) -> subprocess.CompletedProcess[bytes]:
+    return user.python(f"open({str(path)!r}, 'r+b').write(b'owned by the attacker')")
+
+
+@pytest.mark.integration
+def test_a_run_published_to_another_filesystem_keeps_its_mode_and_owner(
+        local_users: tuple[LocalUser, LocalUser], shared_store: Path,
+        victims_output: tuple[Path, bytes]) -> None:
+    """The worker (root) copies a 0600 output into a store on another filesystem: the object
+    is the victim's and 0600, as the output of a run directory would be; no one else reads
+    it, and nothing of the write is left in the store's directory."""
+    victim, attacker = local_users
+    path, data = victims_output
+    store = LocalDirectoryStore(shared_store)
+    published = publish_file(store, KEY, path, part_bytes=PART, sha256=sha(data))
+    assert published.proof.startswith("re-read"), "copied, not linked (another filesystem)"
+    found = (shared_store / KEY).stat()
+    assert (found.st_mode & 0o777, found.st_uid, found.st_gid) == (0o600, victim.uid,
+                                                                     victim.gid)
+    assert attacker.python(f"open({str(shared_store / KEY)!r}, 'rb').read()").returncode != 0
+    assert sorted(p.name for p in shared_store.iterdir()) == ["out"], "no temporary left"
+
+
+@pytest.mark.integration
+def test_a_tenant_who_planted_the_temporary_directory_cannot_own_the_published_object(
+        local_users: tuple[LocalUser, LocalUser], shared_store: Path,
+        victims_output: tuple[Path, bytes]) -> None:
+    """The attacker pre-creates ``.chkq-tmp`` in the shared directory and, just before the
+    upload completes, swaps every temporary in it for a file of hers with the same bytes.
+    The published object must still be the worker's own file: the victim's bytes, not the
+    attacker's, and not writable by her afterwards."""
+    victim, attacker = local_users
+    path, data = victims_output
+    planted = shared_store / ".chkq-tmp"
+    planted.mkdir()
+    os.chown(planted, attacker.uid, attacker.gid)
+    planted.chmod(0o777)
+    swaps: list[str] = []
+
+    def swap(operation: str, key: str) -> None:
+        done = attacker.python(_SWAP.replace("sys.argv[1]", repr(str(shared_store))))
+        assert done.returncode == 0, done.stderr.decode()
+        swaps.append(done.stdout.decode().strip())
+
+    faulty = FaultyStore(LocalDirectoryStore(shared_store))
+    faulty.before("upload_complete", swap)
+    publish_file(faulty, KEY, path, part_bytes=PART, sha256=sha(data))
+    assert swaps, "the attacker acted before completion"
+    published = shared_store / KEY
+    assert published.stat().st_uid != attacker.uid, "the object is not the attacker's file"
+    rewrite = _tries_to_write(attacker, published)
+    assert rewrite.returncode != 0, "the attacker rewrote the published model"
+    assert published.read_bytes() == data
+
+
+_REPLACE = """
+import os, sys
+path, copy = sys.argv[1], sys.argv[2]
+os.rename(path, path + ".stolen")
+with open(copy, "rb") as theirs, open(path, "wb") as mine:
+    mine.write(theirs.read())
+os.chmod(path, 0o666)
+"""
+
+
+@pytest.mark.integration
+def test_an_object_replaced_right_after_its_upload_is_not_reported_published(
+        local_users: tuple[LocalUser, LocalUser], shared_store: Path,
+        victims_output: tuple[Path, bytes]) -> None:
+    """In a shared directory without the sticky bit, the attacker renames the object the
+    upload just made and puts a file of hers with the same bytes in its place before the
+    proof reads it (she has the bytes from elsewhere): the publish fails naming the key, and
+    her file is left as found."""
+    _, attacker = local_users
+    path, data = victims_output
+    shared_store.chmod(0o777)
+    published = shared_store / "MODEL.h5"
+    copy = attacker.home / "copy.h5"
+    copy.write_bytes(data)
+    os.chown(copy, attacker.uid, attacker.gid)
+
+    def replace(operation: str, key: str) -> None:
+        done = attacker.python(_REPLACE.replace("sys.argv[1]", repr(str(published)))
+                               .replace("sys.argv[2]", repr(str(copy))))
+        assert done.returncode == 0, done.stderr.decode()
+
+    faulty = FaultyStore(LocalDirectoryStore(shared_store))
+    faulty.before("checksums", replace)
+    with pytest.raises(StoredBytesMismatchError, match="MODEL.h5 was replaced"):
+        publish_file(faulty, "MODEL.h5", path, part_bytes=PART, sha256=sha(data))
+    assert published.stat().st_uid == attacker.uid, "hers, left as found"
+
+
+# a completion the store takes long to answer ------------------------------------------------
+
+_BUSY = (b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
+         b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+
+
+def _slow_completion(proxy: FaultProxy, prefix: str, seconds: float) -> None:
+    """moto is handed the first completion ``seconds`` late; until then it answers every
+    resent completion and every abort of the upload with 500, as a store busy with it."""
+    target = f"/{BUCKET}/{prefix}/{KEY}?uploadId".encode()
+    proxy.hold_next(b"POST " + target, seconds, busy=(b"POST " + target, b"DELETE " + target),
+                    answer=_BUSY)
+
+
+def _outcome(store: CheckpointStore, path: Path, data: bytes, proxy: FaultProxy) -> str:
+    """Publish; once the held completion has reached moto, check that the state stayed."""
+    try:
+        publish_file(store, KEY, path, part_bytes=5 * MiB, sha256=sha(data))
+        outcome = "published"
+    except TransientStoreError:
+        outcome = "failed"
+    deadline = time.monotonic() + 30
+    while proxy.held == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    landed = store.exists(KEY)
+    assert (outcome, landed) in {("published", True), ("failed", False)}, \
+        f"the publish {outcome} but the object is {'there' if landed else 'missing'} after"
+    return outcome
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+def test_a_completion_slower_than_a_read_timeout_is_waited_for(
+        s3_proxy: FaultProxy, source: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store assembles the object for longer than the read timeout of other requests:
+    the completion waits for its answer (CHKQ_STORE_COMPLETE_TIMEOUT) and is published."""
+    from chkq.stores import S3Store
+
+    monkeypatch.setenv("CHKQ_STORE_READ_TIMEOUT", "1")
+    monkeypatch.setenv("CHKQ_STORE_RETRY_SECONDS", "3")
+    monkeypatch.setenv("CHKQ_STORE_COMPLETE_TIMEOUT", "20")
+    store = S3Store(BUCKET, "slow", endpoint_url=s3_proxy.url)
+    path, data = source
+    _slow_completion(s3_proxy, "slow", 6.0)
+    assert _outcome(store, path, data, s3_proxy) == "published"
+    assert store.get(KEY) == data
+    nothing_left(store, KEY)
+
+
+@pytest.mark.integration
+@pytest.mark.fault
+def test_a_completion_whose_answer_timed_out_is_settled_as_published(
+        s3_proxy: FaultProxy, source: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even the completion's own wait runs out (4 s, the store takes 5): it is asked again,
+    through the 500s of a busy store, until the store tells it completed (this upload's
+    write id on the object), instead of aborting and failing while the object lands."""
+    from chkq.stores import S3Store
+
+    monkeypatch.setenv("CHKQ_STORE_READ_TIMEOUT", "1")
+    monkeypatch.setenv("CHKQ_STORE_RETRY_SECONDS", "3")
+    # Asked again for up to twice its wait (8 s): 3 s to spare on a loaded machine.
+    monkeypatch.setenv("CHKQ_STORE_COMPLETE_TIMEOUT", "4")
+    store = S3Store(BUCKET, "settle", endpoint_url=s3_proxy.url)
+    path, data = source
+    _slow_completion(s3_proxy, "settle", 5.0)
+    assert _outcome(store, path, data, s3_proxy) == "published"
+    assert store.get(KEY) == data
+    nothing_left(store, KEY)

@@ -134,7 +134,7 @@ def test_amqp_app_config() -> None:
     assert conf.task_acks_late and conf.task_reject_on_worker_lost
     assert conf.worker_prefetch_multiplier == 1
     redis_app = make_app(Settings(broker_url="redis://h:1/0"))
-    assert redis_app.conf.broker_transport == "chkq.workers.broker_transport:Transport"
+    assert redis_app.conf.broker_transport == "chkq.workers.runtime.broker_transport:Transport"
     assert all(q.queue_arguments is None for q in redis_app.conf.task_queues)
 
 
@@ -242,7 +242,7 @@ def test_purge_loses_nothing_when_the_canceller_dies(amqp_cluster: AmqpCluster) 
     from kombu import Connection
 
     from chkq.config.routing import task_queues
-    from chkq.workers.status import purge_queued
+    from chkq.workers.cancel import purge_queued
 
     queue = next(q for q in task_queues(quorum=True) if q.name == COPY_QUEUE)
     ids = [f"otherjob-copy-{n}" for n in range(5)] + ["victimjob-copy-0", "victimjob-copy-1"]

@@ -7,11 +7,11 @@ from pathlib import Path
 import h5py
 import pytest
 
-from chkq.consolidation.prepare import SCAN_FILES, scan_units
+from chkq.consolidation.run_scan import SCAN_FILES, scan_units
 from chkq.demo import RunShape, make_run, write_checkpoint_file
-from chkq.tasks.base import deliveries_key
+from chkq.jobs.keys import deliveries as deliveries_key
 from chkq.tasks.consolidate import task_id
-from chkq.tasks.protocol import job_status
+from chkq.tasks.state import job_status
 from chkq.workers.client import submit_consolidation
 from support.helpers import assert_consolidated, snapshot
 

@@ -207,7 +207,7 @@ def copier_pool(worker: Worker) -> list[int]:
                                   "a" * 300 + "@node", 17])
 def test_a_worker_name_that_is_no_node_name_is_neither_shown_nor_asked(name: object) -> None:
     """A task's state is untrusted input: its worker name is kept only if it is one."""
-    from chkq.tasks.protocol import _unit
+    from chkq.jobs.status import _unit
 
     unit = _unit("j-copy-0", {"status": "PROGRESS",
                               "result": {"done": 1, "total": 2, "hostname": name, "pid": 7}})
@@ -215,7 +215,7 @@ def test_a_worker_name_that_is_no_node_name_is_neither_shown_nor_asked(name: obj
 
 
 def test_a_progress_state_names_its_worker_and_process() -> None:
-    from chkq.tasks.protocol import _unit
+    from chkq.jobs.status import _unit
 
     unit = _unit("j-verify-1", {"status": "PROGRESS", "result": {
         "done": 5, "total": 9, "hostname": "chkq-3@node12.site", "pid": 4242}})

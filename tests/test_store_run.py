@@ -18,16 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from chkq.consolidation import store_run
 from chkq.consolidation.discovery import Checkpoint
-from chkq.consolidation.prepare import find_run
-from chkq.consolidation.store_run import (
-    StoreRun,
-    default_output_key,
-    delete_sources,
-    fetch_objects,
-    find_store_run,
-)
+from chkq.consolidation.run_scan import find_run
 from chkq.demo import RunShape, make_run
 from chkq.errors import (
     BadCheckpointError,
@@ -40,6 +32,14 @@ from chkq.errors import (
     SymlinkInRunError,
 )
 from chkq.log import CheckpointLog
+from chkq.staging import (
+    StoreRun,
+    default_output_key,
+    delete_sources,
+    fetch_objects,
+    fetching,
+    find_store_run,
+)
 from chkq.stores import CheckpointStore, LocalDirectoryStore, open_store
 from support.plugins.object_stores import BUCKET
 
@@ -360,7 +360,7 @@ def test_an_object_replaced_during_its_fetch_is_refused(
     upload_run(original, put)
     found = find_store_run(url, "run")
     victim = "run_chk00002.h5"
-    monkeypatch.setattr(store_run, "FETCH_BYTES", 4096)
+    monkeypatch.setattr(fetching, "FETCH_BYTES", 4096)
     real = type(store).get_range_pinned
     reads: list[int] = []
 

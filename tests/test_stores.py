@@ -157,9 +157,13 @@ class TestGCSStore(StoreTests):
         assert store.stray_uploads() == []
 
 
+@pytest.mark.parametrize("anonymous", [True, False], ids=["O_TMPFILE", "private-dir"])
 def test_file_store_hides_temporaries_during_a_write(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, anonymous: bool
 ) -> None:
+    """A write in flight is nowhere to be seen (O_TMPFILE: no name at all; without it, a
+    file in the writer's own 0700 directory), and nothing of it is left afterwards."""
+    monkeypatch.setattr("chkq.stores.local_files.ANONYMOUS", anonymous)
     store = LocalDirectoryStore(tmp_path / "s")
     in_flight = threading.Event()
     release = threading.Event()
@@ -175,7 +179,12 @@ def test_file_store_hides_temporaries_during_a_write(
     writer.start()
     assert in_flight.wait(10)
     temporaries = [p for p in (tmp_path / "s").rglob("*") if p.is_file()]
-    assert temporaries, "the write should be in flight"
+    if anonymous:
+        assert temporaries == [], "an O_TMPFILE write has no name while in flight"
+    else:
+        (temporary,) = temporaries
+        assert temporary.parent.name.startswith(".chkq-tmp-")
+        assert temporary.parent.stat().st_mode & 0o777 == 0o700
     assert store.list() == []
     assert not store.exists("d/obj")
     with pytest.raises(KeyError):
@@ -185,10 +194,12 @@ def test_file_store_hides_temporaries_during_a_write(
     writer.join(10)
     assert store.list() == ["d/obj"]
     assert store.get("d/obj") == b"y" * MiB
-    with pytest.raises(InvalidKeyError):
-        store.put(".chkq-tmp/x", b"")
-
-
+    store.put("d/obj", b"z")
+    assert store.get("d/obj") == b"z"
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["d"], "nothing left"
+    for reserved in (".chkq-tmp/x", ".chkq-tmp-abc/x"):
+        with pytest.raises(InvalidKeyError):
+            store.put(reserved, b"")
 
 
 @pytest.mark.cluster
@@ -440,6 +451,9 @@ def test_store_timeouts_from_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv("CHKQ_STORE_RETRY_SECONDS", "7")
     assert StoreTimeouts.from_env() == StoreTimeouts(connect=5.0, read=2.5, budget=7.0)
     assert StoreTimeouts().worst_case < 60
+    assert StoreTimeouts().complete == 300.0, "S3 allows minutes to assemble a large object"
+    monkeypatch.setenv("CHKQ_STORE_COMPLETE_TIMEOUT", "90")
+    assert StoreTimeouts.from_env().complete == 90.0
     monkeypatch.setenv("CHKQ_STORE_CONNECT_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="CHKQ_STORE_CONNECT_TIMEOUT"):
         StoreTimeouts.from_env()
@@ -623,7 +637,9 @@ def test_object_file_reads_seeks_and_refuses_what_a_file_would(store: Checkpoint
 
 _PUBLISHER = """
 import sys, time
+import chkq.stores.local_files
 from chkq.stores import open_store
+chkq.stores.local_files.ANONYMOUS = sys.argv[2:] != ["private"]
 store = open_store(sys.argv[1])
 if hasattr(store, "part_size"):
     store.part_size = 5 << 20
@@ -639,9 +655,11 @@ time.sleep(60)
 @pytest.mark.fault
 def test_a_killed_publisher_leaves_a_stray_upload_that_abort_removes(
         store: CheckpointStore) -> None:
+    """A local store writing as on NFS (no O_TMPFILE): its private directory is the stray;
+    with O_TMPFILE nothing is left (tests/test_publish.py)."""
     import signal
 
-    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, store.url],
+    publisher = subprocess.Popen([sys.executable, "-c", _PUBLISHER, store.url, "private"],
                                  stdout=subprocess.PIPE, text=True)
     try:
         assert publisher.stdout is not None
@@ -665,3 +683,27 @@ def test_a_killed_publisher_leaves_a_stray_upload_that_abort_removes(
     store.abort_upload(strays[0])
     assert store.stray_uploads() == []
     assert not store.exists("out/MODEL.h5")
+
+
+def test_links_are_a_capability_of_a_local_directory(tmp_path: Path) -> None:
+    """A local directory links the *open* file (a name swapped meanwhile is not what is
+    published); a store without files says so and refuses, so that the caller copies."""
+    from chkq.stores.base import ObjectVersion
+
+    source = tmp_path / "scratch" / "out.h5"
+    source.parent.mkdir()
+    source.write_bytes(b"verified")
+    local = LocalDirectoryStore(tmp_path / "store")
+    with open(source, "rb") as handle:
+        source.rename(source.with_name("moved.h5"))
+        source.write_bytes(b"planted")
+        made = local.link_from("out.h5", handle.fileno())
+        assert local.link_from("out.h5", handle.fileno()) is None, "create-if-absent"
+    assert local.supports_links and made == local.version("out.h5")
+    assert local.get("out.h5") == b"verified"
+    memory = MemoryStore()
+    assert not memory.supports_links
+    with open(source, "rb") as handle, pytest.raises(OSError, match="no local files"):
+        memory.link_from("out.h5", handle.fileno())
+    with pytest.raises(OSError, match="no local files"):
+        memory.link_to("out.h5", ObjectVersion(1, "x"), os.open(tmp_path, os.O_RDONLY), "x")

@@ -19,8 +19,8 @@ from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE, COPY_QUEUE
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
-from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
+from chkq.tasks.state import records
 from support.helpers import snapshot
 from support.plugins.cluster import WorkerProcess, consumers_paused
 
@@ -95,7 +95,7 @@ def test_run_directory_linked_out_of_the_roots_fails_promptly(
         result = outcome(job)
     assert isinstance(result, PermissionError), result
     assert time.monotonic() - started < 30
-    assert protocol.failure(job) is not None
+    assert records().failure(job) is not None
     assert snapshot(outside) == before
 
 
@@ -105,7 +105,7 @@ def test_checkpoint_rewritten_in_place_with_its_mtime_restored(
     with consumers_paused(worker, COPY_QUEUE):
         job = submit(tmp_path, cleanup=True)
         deadline = time.monotonic() + TIMEOUT
-        while protocol.recorded_plan(job) is None:
+        while records().recorded_plan(job) is None:
             assert time.monotonic() < deadline, "no plan"
             time.sleep(0.05)
         st = os.stat(files[0])
@@ -128,7 +128,7 @@ def test_no_job_state_lives_in_the_run_directory(tmp_path: Path, worker: WorkerP
     with consumers_paused(worker, COPY_QUEUE):
         job = submit(tmp_path, cleanup=False)
         deadline = time.monotonic() + TIMEOUT
-        while protocol.recorded_plan(job) is None:
+        while records().recorded_plan(job) is None:
             assert time.monotonic() < deadline, "no plan"
             time.sleep(0.05)
         own = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".chkq-"))

@@ -1,11 +1,11 @@
 """Job state in Redis proves who wrote it: a party with the Redis password but no signing key.
 
-The unit tests drive the one verifying reader of :mod:`chkq.tasks.protocol`
+The unit tests drive the one verifying reader of :mod:`chkq.jobs.sealed`
 against fakeredis. The attack tests run a real redis-server with a password,
 real signed ``chkq worker`` processes with ``CHKQ_ALLOWED_ROOTS`` set, the
 victim's ``chkq consolidate --cleanup`` as the victim user, and the attacker
 as the attacker user: it has the Redis password but not the signing key,
-watches ``chkq-jobs`` and pre-writes the job's records before any worker
+watches ``chkq:jobs`` and pre-writes the job's records before any worker
 plans the job. The failure-path tests plant a directory and a link named like
 a job's temporaries and touch a checkpoint mid-job.
 """
@@ -40,9 +40,12 @@ from chkq.consolidation.discovery import Checkpoint
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.demo import RunShape, make_run
-from chkq.errors import CheckpointChangedError
+from chkq.errors import CheckpointChangedError, ForgedRecordError
+from chkq.jobs import records as job_records
+from chkq.jobs.paths import check_recorded_checkpoints, check_recorded_path
+from chkq.jobs.records import JobRecords
 from chkq.lru import LRU
-from chkq.tasks import protocol
+from chkq.tasks import state
 from chkq.tasks.consolidate import consolidation_signature
 from chkq.workers.broker import free_port
 from chkq.workers.client import ConsolidationJob
@@ -87,15 +90,16 @@ def _self_signed(directory: Path, name: str) -> dict[str, str]:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> fakeredis.FakeRedis:
     server = fakeredis.FakeRedis()
-    monkeypatch.setattr(protocol, "_client", lambda: server)
-    monkeypatch.setattr(protocol, "_PLANS", LRU(protocol.PLAN_CACHE))
+    monkeypatch.setattr(state, "records", lambda: JobRecords(
+        server, state.record_secret(), None, state.get_settings().allowed_roots))
+    monkeypatch.setattr(job_records, "_PLANS", LRU(job_records.PLAN_CACHE))
     return server
 
 
 def _use(monkeypatch: pytest.MonkeyPatch, **changes: Any) -> Settings:
     settings = dataclasses.replace(Settings(), **changes)
-    monkeypatch.setattr(protocol, "get_settings", lambda: settings)
-    protocol._RECORD_KEYS.clear()
+    monkeypatch.setattr(state, "get_settings", lambda: settings)
+    state._RECORD_KEYS.clear()
     return settings
 
 
@@ -112,13 +116,13 @@ JOB_A, JOB_B = "a" * 32, "b" * 32
 
 
 def test_sealed_records_read_back(fake: fakeredis.FakeRedis, signed: dict[str, str]) -> None:
-    protocol.record_copied(JOB_A, 0, {"d": [[0, 5, "x"]]})
-    protocol.record_finished(JOB_A, {"output": "/r/run.h5", "rows": 5})
-    protocol.record_submitted(JOB_A, MODEL, "/r")
-    assert protocol.copied(JOB_A) == {0: {"d": [[0, 5, "x"]]}}
-    assert protocol.finished_result(JOB_A) == {"output": "/r/run.h5", "rows": 5}
-    assert protocol.job_info(JOB_A)["out_dir"] == "/r"  # type: ignore[index]
-    assert protocol.records_authenticated()
+    state.records().record_copied(JOB_A, 0, {"d": [[0, 5, "x"]]})
+    state.records().record_finished(JOB_A, {"output": "/r/run.h5", "rows": 5})
+    state.records().record_submitted(JOB_A, MODEL, "/r")
+    assert state.records().copied(JOB_A) == {0: {"d": [[0, 5, "x"]]}}
+    assert state.records().finished_result(JOB_A) == {"output": "/r/run.h5", "rows": 5}
+    assert state.records().job_info(JOB_A)["out_dir"] == "/r"  # type: ignore[index]
+    assert state.records().authenticated
 
 
 @pytest.mark.parametrize("forged", [
@@ -128,64 +132,60 @@ def test_sealed_records_read_back(fake: fakeredis.FakeRedis, signed: dict[str, s
 ])
 def test_a_done_marker_written_without_the_key_is_refused(
         fake: fakeredis.FakeRedis, signed: dict[str, str], forged: bytes) -> None:
-    fake.set(f"chkq-job-done-{JOB_A}", forged)
-    with pytest.raises(protocol.ForgedRecordError, match=f"chkq-job-done-{JOB_A}"):
-        protocol.finished_result(JOB_A)
+    fake.set(f"chkq:job:{JOB_A}:done", forged)
+    with pytest.raises(ForgedRecordError, match=f"chkq:job:{JOB_A}:done"):
+        state.records().finished_result(JOB_A)
 
 
 def test_a_record_sealed_with_another_key_is_refused(
         fake: fakeredis.FakeRedis, signed: dict[str, str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     other = _self_signed(tmp_path / "other", "other")
-    ours = protocol.get_settings()
+    ours = state.get_settings()
     _use(monkeypatch, security_key=other["CHKQ_SECURITY_KEY"],
          security_certificate=other["CHKQ_SECURITY_CERTIFICATE"],
          security_cert_store=other["CHKQ_SECURITY_CERT_STORE"])
-    protocol.record_finished(JOB_A, {"output": "/r/run.h5"})
-    monkeypatch.setattr(protocol, "get_settings", lambda: ours)
-    protocol._RECORD_KEYS.clear()
-    with pytest.raises(protocol.ForgedRecordError, match="signing key"):
-        protocol.finished_result(JOB_A)
+    state.records().record_finished(JOB_A, {"output": "/r/run.h5"})
+    monkeypatch.setattr(state, "get_settings", lambda: ours)
+    state._RECORD_KEYS.clear()
+    with pytest.raises(ForgedRecordError, match="signing key"):
+        state.records().finished_result(JOB_A)
 
 
 def test_records_cannot_move_to_another_job_kind_or_unit(
         fake: fakeredis.FakeRedis, signed: dict[str, str]) -> None:
     """The seal binds the Redis key (job id and record kind) and the unit."""
-    protocol.record_finished(JOB_A, {"output": "/r/run.h5"})
-    protocol.record_copied(JOB_A, 0, {"d": []})
-    protocol.record_verified(_plan_stub(JOB_A), 1, [1, 2, 3, 4, 5, 6])
-    fake.set(f"chkq-job-done-{JOB_B}", fake.get(f"chkq-job-done-{JOB_A}"))
-    with pytest.raises(protocol.ForgedRecordError, match=f"chkq-job-done-{JOB_B}"):
-        protocol.finished_result(JOB_B)
-    fake.set(f"chkq-job-{JOB_A}-failed", fake.get(f"chkq-job-done-{JOB_A}"))
-    with pytest.raises(protocol.ForgedRecordError, match="failed"):
-        protocol.failure(JOB_A)
-    fake.hset(f"chkq-job-{JOB_A}-copied", "1", fake.hget(f"chkq-job-{JOB_A}-copied", "0"))
-    with pytest.raises(protocol.ForgedRecordError, match=r"copied\[1\]"):
-        protocol.copied(JOB_A)
-    fake.hset(f"chkq-job-{JOB_B}-verified", "1", fake.hget(f"chkq-job-{JOB_A}-verified", "1"))
-    with pytest.raises(protocol.ForgedRecordError, match=r"verified\[1\]"):
-        protocol.verified(JOB_B)
-
-
-def _plan_stub(job: str) -> Any:
-    return dataclasses.make_dataclass("P", [("job_id", str)])(job)
+    state.records().record_finished(JOB_A, {"output": "/r/run.h5"})
+    state.records().record_copied(JOB_A, 0, {"d": []})
+    state.records().record_verified(JOB_A, 1, [1, 2, 3, 4, 5, 6])
+    fake.set(f"chkq:job:{JOB_B}:done", fake.get(f"chkq:job:{JOB_A}:done"))
+    with pytest.raises(ForgedRecordError, match=f"chkq:job:{JOB_B}:done"):
+        state.records().finished_result(JOB_B)
+    fake.set(f"chkq:job:{JOB_A}:failed", fake.get(f"chkq:job:{JOB_A}:done"))
+    with pytest.raises(ForgedRecordError, match="failed"):
+        state.records().failure(JOB_A)
+    fake.hset(f"chkq:job:{JOB_A}:copied", "1", fake.hget(f"chkq:job:{JOB_A}:copied", "0"))
+    with pytest.raises(ForgedRecordError, match=r"copied\[1\]"):
+        state.records().copied(JOB_A)
+    fake.hset(f"chkq:job:{JOB_B}:verified", "1", fake.hget(f"chkq:job:{JOB_A}:verified", "1"))
+    with pytest.raises(ForgedRecordError, match=r"verified\[1\]"):
+        state.records().verified(JOB_B)
 
 
 def test_a_forged_failure_record_is_replaced_by_the_real_failure(
         fake: fakeredis.FakeRedis, signed: dict[str, str]) -> None:
-    fake.set(f"chkq-job-{JOB_A}-failed", b'{"type": "X", "step": "y", "message": "z"}')
-    protocol.record_failed(JOB_A, f"{JOB_A}-copy-0", CheckpointChangedError("touched"))
-    assert protocol.failure(JOB_A)["type"] == "CheckpointChangedError"  # type: ignore[index]
+    fake.set(f"chkq:job:{JOB_A}:failed", b'{"type": "X", "step": "y", "message": "z"}')
+    state.records().record_failed(JOB_A, f"{JOB_A}-copy-0", CheckpointChangedError("touched"))
+    assert state.records().failure(JOB_A)["type"] == "CheckpointChangedError"  # type: ignore[index]
 
 
 def test_without_signing_anyone_with_redis_access_writes_job_state(
         fake: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch) -> None:
     """Said plainly in the threat model: unsigned, the seal is empty and is not checked."""
     _use(monkeypatch)
-    fake.set(f"chkq-job-done-{JOB_A}", b'chkq1 - {"output": "/r/run.h5"}')
-    assert protocol.finished_result(JOB_A) == {"output": "/r/run.h5"}
-    assert not protocol.records_authenticated()
+    fake.set(f"chkq:job:{JOB_A}:done", b'chkq1 - {"output": "/r/run.h5"}')
+    assert state.records().finished_result(JOB_A) == {"output": "/r/run.h5"}
+    assert not state.records().authenticated
 
 
 @pytest.mark.parametrize("path", [
@@ -206,7 +206,7 @@ def test_paths_from_records_must_be_checkpoints_of_the_run(
     _use(monkeypatch, allowed_roots=(str(tmp_path),))
     run = str(tmp_path / RUN)
     with pytest.raises(ValueError, match="not a checkpoint file of model 'run'"):
-        protocol.check_recorded_path(path.format(run=run), run, MODEL, "the run record")
+        check_recorded_path(path.format(run=run), run, MODEL, "the run record")
 
 
 def test_checkpoint_paths_from_records_that_pass(tmp_path: Path,
@@ -214,11 +214,12 @@ def test_checkpoint_paths_from_records_that_pass(tmp_path: Path,
     _use(monkeypatch, allowed_roots=(str(tmp_path),))
     run = str(tmp_path / RUN)
     for good in (f"{run}/run_chk00001.h5", f"{run}/run_chk00002/w0.h5"):
-        assert str(protocol.check_recorded_path(good, run, MODEL, "r")) == good
+        assert str(check_recorded_path(good, run, MODEL, "r")) == good
     _use(monkeypatch, allowed_roots=(str(tmp_path / "elsewhere"),))
     checkpoint = Checkpoint(1, Path(run) / "run_chk00001.h5", (Path(run) / "run_chk00001.h5",))
     with pytest.raises(PermissionError, match="CHKQ_ALLOWED_ROOTS"):
-        protocol.check_recorded_checkpoints([checkpoint], run, MODEL, "r")
+        check_recorded_checkpoints([checkpoint], run, MODEL, "r",
+                                   state.get_settings().allowed_roots)
 
 
 @pytest.mark.parametrize("entry", [
@@ -235,7 +236,8 @@ def test_checkpoints_from_records_must_be_the_runs(
     checkpoint = Checkpoint(number, Path(where.format(run=run)),
                             tuple(Path(f.format(run=run)) for f in files))
     with pytest.raises(ValueError, match="not a checkpoint of model 'run'"):
-        protocol.check_recorded_checkpoints([checkpoint], run, MODEL, "the run record")
+        check_recorded_checkpoints([checkpoint], run, MODEL, "the run record",
+                                   state.get_settings().allowed_roots)
 
 
 def _plan(job: str, run: str, files: list[str], checkpoints: list[Any]) -> Plan:
@@ -248,9 +250,9 @@ def test_a_plan_written_without_the_key_is_refused(
     run = str(tmp_path)
     good = f"{run}/run_chk00001.h5"
     forged = _plan(JOB_A, run, [good], [[1, good, False]])
-    fake.set(f"chkq-job-{JOB_A}-plan", b"chkq1 - " + forged.to_json().encode())
-    with pytest.raises(protocol.ForgedRecordError, match=f"chkq-job-{JOB_A}-plan"):
-        protocol.load_plan(JOB_A, run, MODEL)
+    fake.set(f"chkq:job:{JOB_A}:plan", b"chkq1 - " + forged.to_json().encode())
+    with pytest.raises(ForgedRecordError, match=f"chkq:job:{JOB_A}:plan"):
+        state.records().load_plan(JOB_A, run, MODEL)
 
 
 @pytest.mark.parametrize("bad", ["files", "checkpoints", "job", "out_dir"])
@@ -268,9 +270,9 @@ def test_a_sealed_plan_naming_other_files_is_refused(
         plan.job_id = JOB_B
     if bad == "out_dir":
         plan.out_dir = f"{run}/../{RUN}"
-    fake.set(f"chkq-job-{JOB_A}-plan", b"chkq1 - " + plan.to_json().encode())
+    fake.set(f"chkq:job:{JOB_A}:plan", b"chkq1 - " + plan.to_json().encode())
     with pytest.raises(ValueError, match="refused"):
-        protocol.recorded_plan(JOB_A)
+        state.records().recorded_plan(JOB_A)
 
 
 def test_discard_leaves_planted_directories_and_links(tmp_path: Path) -> None:
@@ -330,6 +332,7 @@ def password_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Passwor
     server.stop()
 
 
+@pytest.mark.cluster
 def test_the_server_refuses_clients_without_the_password(password_redis: PasswordRedis) -> None:
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=password_redis.port).set("x", "y")
@@ -337,24 +340,24 @@ def test_the_server_refuses_clients_without_the_password(password_redis: Passwor
 
 # ------------------------------------------------------------ the attack, for real
 
-#: The attacker: Redis password, no signing key. It watches ``chkq-jobs``, reads the job's
+#: The attacker: Redis password, no signing key. It watches ``chkq:jobs``, reads the job's
 #: submission (readable, though sealed), and pre-writes forged records under the job's keys.
 ATTACKER = r'''
 import json, os, sys, time
 import redis
 
 client = redis.Redis.from_url(os.environ["ATTACK_REDIS"])
-seen = set(j.decode() for j in client.lrange("chkq-jobs", 0, -1))
+seen = set(j.decode() for j in client.lrange("chkq:jobs", 0, -1))
 deadline = time.monotonic() + 90
 while time.monotonic() < deadline:
-    fresh = [j.decode() for j in client.lrange("chkq-jobs", 0, -1) if j.decode() not in seen]
+    fresh = [j.decode() for j in client.lrange("chkq:jobs", 0, -1) if j.decode() not in seen]
     if fresh:
         break
     time.sleep(0.02)
 else:
     sys.exit("no job appeared")
 job = fresh[0]
-info = json.loads(client.get(f"chkq-job-{job}").split(b" ", 2)[2])
+info = json.loads(client.get(f"chkq:job:{job}:info").split(b" ", 2)[2])
 run, model = info["out_dir"], info["model"]
 private = os.environ["ATTACK_PRIVATE"]
 # The record format is public: the attacker writes it with the seal of an unsigned deployment.
@@ -366,23 +369,23 @@ files = [[1, f"{run}/{model}_chk00001.h5", [f"{run}/{model}_chk00001.h5"]],
 mode = os.environ["ATTACK_MODE"]
 if mode == "omit":
     first = f"{run}/{model}_chk00001"
-    client.set(f"chkq-job-{job}-run", code + json.dumps(
+    client.set(f"chkq:job:{job}:run", code + json.dumps(
         {"out_dir": run, "model": model,
          "checkpoints": [[1, first, [f"{first}/thread_0000.h5"]]]}).encode())
 if mode == "records":
-    client.set(f"chkq-job-{job}-run", code + json.dumps(
+    client.set(f"chkq:job:{job}:run", code + json.dumps(
         {"out_dir": run, "model": model, "checkpoints": files}).encode())
 if mode == "scans":
     def one(n):
         return [f"{run}/{model}_chk{n:05d}.h5", 0, [1], [1, 1, 1, 1, 1], [None], ""]
     for unit, numbers in enumerate((range(1, 257), range(257, 261))):
-        client.hset(f"chkq-job-{job}-scanned", str(unit), code + json.dumps(
+        client.hset(f"chkq:job:{job}:scanned", str(unit), code + json.dumps(
             {"skeletons": [{"trials": "extensible float64"}],
              "files": [one(n) for n in numbers]}).encode())
 if mode == "done":
     genuine = os.environ.get("ATTACK_GENUINE_DONE")
     value = client.get(genuine) if genuine else None
-    client.set(f"chkq-job-done-{job}", value or code + json.dumps(
+    client.set(f"chkq:job:{job}:done", value or code + json.dumps(
         {"output": f"{run}/{model}.h5", "rows": 1, "files": 1,
          "warnings": ["checkpoints deleted"]}).encode())
     client.set(f"celery-task-meta-{job}", json.dumps(
@@ -505,11 +508,11 @@ def test_a_forged_run_list_is_refused(deployment: Deployment) -> None:
     code, output = _finish(client)
     assert code == 1, output
     _no_success(deployment.run, output)
-    assert f"error: job record chkq-job-{job}-run " in output, output
+    assert f"error: job record chkq:job:{job}:run " in output, output
     assert "refused as not the job's own" in output
     failed = _wait_failed(deployment, job)
     assert failed["type"] == "ForgedRecordError", failed
-    assert f"chkq-job-{job}" in failed["message"] and "signing key" in failed["message"]
+    assert f"chkq:job:{job}:" in failed["message"] and "signing key" in failed["message"]
     assert snapshot(deployment.run) == before
     assert deployment.private.read_bytes() == private_before
     assert not (deployment.run / "run.h5").exists()
@@ -532,7 +535,7 @@ def test_forged_scans_of_a_large_run_are_refused(deployment: Deployment) -> None
     code, output = _finish(client)
     assert code == 1, output
     _no_success(large, output)
-    assert f"error: job record chkq-job-{job}-scanned[" in output, output
+    assert f"error: job record chkq:job:{job}:scanned[" in output, output
     assert _wait_failed(deployment, job)["type"] == "ForgedRecordError"
     assert snapshot(large) == before
     assert not (large / "run.h5").exists()
@@ -548,7 +551,7 @@ def test_a_done_marker_moved_from_another_job_is_no_success(deployment: Deployme
     code, output = _finish(deployment.consolidate(other))
     assert code == 0, output
     first.stop()
-    genuine = next(k.decode() for k in deployment.redis.client().keys("chkq-job-done-*"))
+    genuine = next(k.decode() for k in deployment.redis.client().keys("chkq:job:*:done"))
     before = snapshot(deployment.run)
     attacker = deployment.attack("done", genuine_done=genuine)
     client = deployment.consolidate(deployment.run, "--cleanup")
@@ -557,11 +560,11 @@ def test_a_done_marker_moved_from_another_job_is_no_success(deployment: Deployme
     deployment.start_workers()
     assert code == 1, output
     _no_success(deployment.run, output)
-    assert f"chkq-job-done-{job}" in output and "refused" in output, output
+    assert f"chkq:job:{job}:done" in output and "refused" in output, output
     failed = _wait_failed(deployment, job)
     assert failed["type"] == "ForgedRecordError", failed
-    assert f"chkq-job-done-{job}" in failed["message"]
-    _wait(lambda: deployment.redis.client().get(f"chkq-job-done-{job}") is None,
+    assert f"chkq:job:{job}:done" in failed["message"]
+    _wait(lambda: deployment.redis.client().get(f"chkq:job:{job}:done") is None,
           "removal of the planted done marker")
     assert snapshot(deployment.run) == before
     assert not (deployment.run / "run.h5").exists()
@@ -615,7 +618,7 @@ def _wait_failed(deployment: Deployment, job: str) -> dict[str, Any]:
     """The job's failure record, once written (read raw: this process has no key loaded)."""
     client = deployment.redis.client()
     deadline = time.monotonic() + TIMEOUT
-    while (raw := client.get(f"chkq-job-{job}-failed")) is None:
+    while (raw := client.get(f"chkq:job:{job}:failed")) is None:
         assert time.monotonic() < deadline, "the job recorded no failure"
         time.sleep(0.1)
     return dict(json.loads(raw.split(b" ", 2)[2]))
@@ -645,19 +648,19 @@ def test_a_failing_job_with_planted_temporaries_reports_its_failure(
     prefix = JobFiles(run, MODEL, job).prefix
     handle = ConsolidationJob(job, app=get_app())
     with consumers_paused(worker, COPY_QUEUE):
-        protocol.record_submitted(job, MODEL, str(run))
+        state.records().record_submitted(job, MODEL, str(run))
         consolidation_signature(str(run), MODEL, job, True).apply_async()
-        _wait(lambda: protocol.recorded_plan(job) is not None, "plan")
+        _wait(lambda: state.records().recorded_plan(job) is not None, "plan")
         temp = JobFiles(run, MODEL, job).temp
         assert temp.stat().st_size > 0
         # The output's template touched mid-job: the whole-output check refuses it.
-        touched = Path(protocol.recorded_plan(job).reference_file)  # type: ignore[union-attr]
+        touched = Path(state.records().recorded_plan(job).reference_file)  # type: ignore[union-attr]
         os.utime(touched)
     started = time.monotonic()
     with pytest.raises(CheckpointChangedError, match=str(touched)):
         handle.wait_for_summary(timeout=TIMEOUT)
     assert time.monotonic() - started < TIMEOUT / 2
-    assert protocol.failure(job)["type"] == "CheckpointChangedError"  # type: ignore[index]
+    assert state.records().failure(job)["type"] == "CheckpointChangedError"  # type: ignore[index]
     assert not temp.exists()
     assert (run / f"{prefix}.blocker" / "inside").read_text() == "planted"
     assert (run / f"{prefix}.part00001.h5").is_symlink()

@@ -32,12 +32,14 @@ from chkq.consolidation.checkpoint_files import open_checkpoint_id
 from chkq.consolidation.copy_rows import copy_unit
 from chkq.consolidation.merge import merge_parts, remove_parts
 from chkq.consolidation.output_check import check_plan_output
-from chkq.consolidation.prepare import find_run, prepare, run_files, scan_files
+from chkq.consolidation.prepare import prepare
+from chkq.consolidation.run_scan import find_run, run_files, scan_files
 from chkq.demo import RunShape, make_run
 from chkq.errors import CheckpointChangedError
+from chkq.jobs.proof import verify_unit_count
 from chkq.rundir import RunDir
-from chkq.tasks import protocol
 from chkq.tasks.consolidate import consolidation_signature
+from chkq.tasks.state import records
 from support.helpers import assert_consolidated, snapshot, wait_for
 from support.plugins.cluster import WorkerProcess, consumers_paused
 from support.plugins.users import LocalUser
@@ -314,8 +316,8 @@ def _outcome(job: str) -> BaseException | dict[str, object]:
 
 
 def _all_verified(job: str) -> bool:
-    plan = protocol.recorded_plan(job)
-    return plan is not None and len(protocol.verified(job)) == protocol.verify_unit_count(plan)
+    plan = records().recorded_plan(job)
+    return plan is not None and len(records().verified(job)) == verify_unit_count(plan)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -329,9 +331,9 @@ def test_swap_while_a_job_runs(scene: Scene, worker: WorkerProcess, stage: str,
     with consumers_paused(worker, queue):
         job = _submit(scene)
         if stage == "copy":
-            wait_for(lambda: protocol.recorded_plan(job), TIMEOUT, "the plan")
+            wait_for(lambda: records().recorded_plan(job), TIMEOUT, "the plan")
         else:
-            wait_for(lambda: protocol.merged(job), TIMEOUT, "the merge")
+            wait_for(lambda: records().merged(job), TIMEOUT, "the merge")
         scene.swap(kind, checkpoint)
     result = _outcome(job)
     if stage == "verify" and kind != "parent" and isinstance(result, dict):
@@ -341,7 +343,7 @@ def test_swap_while_a_job_runs(scene: Scene, worker: WorkerProcess, stage: str,
     else:
         assert isinstance(result, BaseException), result
         assert_names(result, scene, kind, checkpoint)
-        wait_for(lambda: protocol.failure(job), TIMEOUT, "the recorded failure")
+        wait_for(lambda: records().failure(job), TIMEOUT, "the recorded failure")
     assert_victim_safe(scene)
     assert_no_temporaries(scene, kind)
 
@@ -368,7 +370,7 @@ def test_swap_before_the_link_and_cleanup(scene: Scene, worker: WorkerProcess,
     verify_paused.__enter__()
     try:
         job = _submit(scene)
-        wait_for(lambda: protocol.merged(job), TIMEOUT, "the merge")
+        wait_for(lambda: records().merged(job), TIMEOUT, "the merge")
         with consumers_paused(worker, CONTROL_QUEUE):
             verify_paused.__exit__(None, None, None)
             verify_paused = None

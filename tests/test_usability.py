@@ -32,7 +32,9 @@ from chkq.errors import (
     RunNotADirectoryError,
     RunNotFoundError,
 )
-from chkq.tasks.protocol import JobStatus, consolidation_signature, record_submitted
+from chkq.jobs.status import JobStatus
+from chkq.tasks.canvas import consolidation_signature
+from chkq.tasks.state import records
 from chkq.workers.client import ConsolidationJob, ConsolidationWarning, submit_consolidation
 from support.helpers import assert_consolidated, snapshot
 from support.plugins.cluster import WorkerProcess
@@ -106,7 +108,7 @@ def test_each_common_mistake_is_a_chkq_error_and_its_builtin_on_a_cluster(
 
 @pytest.mark.cluster
 def test_each_common_mistake_is_a_chkq_error_on_the_embedded_cluster(tmp_path: Path) -> None:
-    """``chkq.consolidate_checkpoints`` with no broker, as the README's Python example."""
+    """``chkq.consolidate_checkpoints`` with no broker, as the Python example of docs/using.md."""
     cases = {case: [str(x) for x in mistake(tmp_path, case)] for case in MISTAKES}
     script = textwrap.dedent(f"""
         import json, chkq
@@ -161,7 +163,7 @@ def test_errors_raised_by_a_worker_arrive_as_chkq_errors(worker: WorkerProcess,
     for where, own, builtin in [(gap, CheckpointGapError, ValueError),
                                 (exists, OutputExistsError, FileExistsError)]:
         job = uuid.uuid4().hex
-        record_submitted(job, "run", str(where))
+        records().record_submitted(job, "run", str(where))
         consolidation_signature(str(where), "run", job, False).apply_async()
         with pytest.raises(own) as caught:
             ConsolidationJob(job, app=get_app()).wait_for_output(timeout=TIMEOUT)
@@ -228,14 +230,14 @@ def test_allow_gaps_from_python_on_a_cluster_warns_and_cleans_up(
 def test_a_gap_in_a_run_scanned_in_parallel(worker: WorkerProcess, tmp_path: Path) -> None:
     """More than SCAN_FILES files: the plan step runs again after its scan units, and an
     accepted gap stays accepted there; without --allow-gaps the worker refuses it too."""
-    from chkq.consolidation.prepare import SCAN_FILES
+    from chkq.consolidation.run_scan import SCAN_FILES
 
     run = tmp_path / "run"
     files = make_run(run, "run", RunShape(checkpoints=SCAN_FILES + 20, trials=1))
     (run / "run_chk00002.h5").unlink()
     files = [f for f in files if f.exists()]
     job = uuid.uuid4().hex
-    record_submitted(job, "run", str(run))
+    records().record_submitted(job, "run", str(run))
     consolidation_signature(str(run), "run", job, False).apply_async()
     with pytest.raises(CheckpointGapError, match="checkpoint 00002 of model 'run' is missing"):
         ConsolidationJob(job, app=get_app()).wait_for_output(timeout=TIMEOUT)
@@ -349,8 +351,8 @@ def test_read_only_output_directory_is_refused_before_any_cluster_starts(
 
 
 def test_status_columns_stay_aligned_for_every_state() -> None:
-    from chkq.tasks.protocol import when as _when
-    from chkq.workers.status import format_recent
+    from chkq.jobs.status import when as _when
+    from chkq.workers.cli.status import format_recent
 
     statuses = [JobStatus(f"{n:032x}", state, phase, model="run", out_dir="/r", submitted=0.0)
                 for n, (state, phase) in enumerate([
@@ -367,7 +369,7 @@ def test_status_columns_stay_aligned_for_every_state() -> None:
 def test_the_progress_line_is_erased_with_what_the_terminal_echoed() -> None:
     """Closing the progress line (before ``error: interrupted``) erases to the end of the
     line, so a ``^C`` echoed after it does not remain beside the error."""
-    from chkq.workers.cli import ProgressLine
+    from chkq.workers.cli.common import ProgressLine
     from chkq.workers.client import Progress
 
     class Terminal(io.StringIO):

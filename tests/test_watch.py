@@ -12,8 +12,10 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from chkq.consolidation.checkpoint_files import COMPLETE_ATTR
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
+from chkq.watcher import is_complete
 from chkq.workers.client import submit_consolidation
 from support import fake_simulation
 from support.helpers import assert_consolidated
@@ -35,6 +37,17 @@ def start_watch(out_dir: Path, store: str, pid: int, log_path: Path) -> subproce
 def enqueued(log_path: Path) -> list[str]:
     return [line.split()[1] for line in log_path.read_text().splitlines()
             if line.startswith("enqueued ")]
+
+
+def test_a_file_marked_complete_is_not_complete_while_its_writer_holds_it(
+        tmp_path: Path) -> None:
+    path = tmp_path / "sim_chk00001.h5"
+    with h5py.File(path, "w") as f:
+        f["rows"] = np.arange(10)
+        f.attrs[COMPLETE_ATTR] = 10
+        f.flush()
+        assert not is_complete(path)
+    assert is_complete(path)
 
 
 def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reproduces(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 import uuid
 import warnings
@@ -30,72 +29,51 @@ from typing import Any
 
 from celery.exceptions import ChordError
 from celery.result import AsyncResult
-from kombu.exceptions import OperationalError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import get_app, get_settings
-from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name, check_out_dir
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import (  # noqa: F401 (re-exported)
+    ForgedRecordError,
     JobCancelledError,
     JobFailedError,
     JobLostError,
-    NoCheckpointsError,
     OutputExistsError,
+    RunBusyError,
     RunNotFoundError,
     WaitTimeoutError,
 )
-from chkq.tasks.protocol import (
-    ForgedRecordError,
-    cancelled,
-    consolidation_signature,
-    finished_result,
-    job_info,
-    job_status,
-    record_submitted,
-    records_authenticated,
-    root_cause,
-)
+from chkq.jobs.status import dataset_rows, rows_phrase
+from chkq.tasks.canvas import consolidation_signature, root_cause
+from chkq.tasks.parties import plan_credential, stage_credential
+from chkq.tasks.state import job_status, records
+from chkq.workers.claims import refuse_if_running, run_claim
+from chkq.workers.waiting import BROKER_ERRORS, EndSignal, QueueWatch
 
 #: How often a waiting client reads the job's state; the job's end wakes it at once
 #: (:class:`EndSignal`).
 POLL_SECONDS = 0.25
 PROGRESS_SECONDS = 0.25
 
-#: When a waiting client first checks that a worker serves its job's queue, and how
-#: often after that (each check is a broadcast that waits up to ``INSPECT_SECONDS``).
-FIRST_WORKER_CHECK_SECONDS = 2.0
-WORKER_CHECK_SECONDS = 10.0
-INSPECT_SECONDS = 1.0
-#: A queue no worker answered for is asked about once more, waiting this long, before the
-#: client says so: a worker busy with a long task can miss a one-second broadcast.
-CONFIRM_SECONDS = 2.0
-
-#: The queue a job waits in, by the phase ``chkq status`` gives it.
-PHASE_QUEUES = {"queued": "chkq.control", "fetching": "chkq.copy",
-                "planning": "chkq.control", "copying": "chkq.copy",
-                "merging": "chkq.control", "verifying": "chkq.verify",
-                "linking": "chkq.control"}
-
 #: How long ``wait_for_output`` rides out a broker it cannot reach (a Redis restart).
 OUTAGE_GRACE_SECONDS = 120.0
 
-#: Errors that mean "the broker/result backend did not answer", not "the job failed".
-BROKER_ERRORS: tuple[type[BaseException], ...] = (
-    RedisConnectionError, RedisTimeoutError, OperationalError, ConnectionError,
-)
 
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a job stands: its phase and rows copied and verified out of ``total``."""
+    """Where a job stands: its phase and rows copied and verified out of ``total``.
+
+    ``copied``, ``verified`` and ``total`` count rows over every dataset;
+    ``records`` is the rows of the longest dataset, what a user counts
+    (trials, events), 0 while the job is not planned.
+    """
 
     phase: str
     copied: int = 0
     verified: int = 0
     total: int = 0
+    records: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,7 +88,11 @@ class JobSummary:
         The consolidated file: its path, or its URL for a job published to an
         object store.
     rows, files
-        Rows written (every extensible dataset) and checkpoint files read.
+        Rows written (over every extensible dataset) and checkpoint files read.
+    datasets
+        Each extensible dataset's rows (its path in the output to its rows).
+    records
+        Rows of the longest dataset: what a user counts (trials, events).
     bytes
         Size of the output (None if this client cannot see it).
     seconds
@@ -127,13 +109,22 @@ class JobSummary:
     bytes: int | None = None
     seconds: float | None = None
     warnings: list[str] = field(default_factory=list)
+    datasets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def records(self) -> int:
+        return max(self.datasets.values(), default=self.rows)
 
     def line(self) -> str:
-        """One line for people: ``wrote OUTPUT: R rows from F files, B MB in S s``."""
+        """One line for people: ``wrote OUTPUT: D datasets of R rows from F files, B MB in S s``.
+
+        Rows are counted as a user counts records: those of the longest
+        dataset, not their sum over the datasets.
+        """
         size = f", {self.bytes / 1e6:,.1f} MB" if self.bytes is not None else ""
         took = f" in {self.seconds:.1f} s" if self.seconds is not None else ""
-        return (f"wrote {self.output}: {self.rows:,} rows from {self.files:,} files"
-                f"{size}{took} (job {self.job})")
+        return (f"wrote {self.output}: {rows_phrase(self.datasets, self.rows)} from "
+                f"{self.files:,} files{size}{took} (job {self.job})")
 
 
 class ConsolidationWarning(UserWarning):
@@ -153,22 +144,33 @@ class ConsolidationJob(AsyncResult):
     client_warnings: tuple[str, ...] = ()
     _progress_shown = 0.0
 
+    @classmethod
+    def sent(cls, job: str, files: JobFiles | None = None,
+             submitted_at: float | None = None) -> ConsolidationJob:
+        """The handle of job ``job``, just sent (``files``: its files in a run directory)."""
+        handle = cls(job, app=get_app())
+        handle.files = files
+        handle.submitted_at = submitted_at
+        return handle
+
     @property
     def progress(self) -> Progress:
         """Rows copied and verified so far: one batched read of the job's state.
 
-        The same reader (:func:`chkq.tasks.protocol.job_status`) serves
+        The same reader (:func:`chkq.jobs.status.job_status`) serves
         ``chkq status``, so the two never disagree on where a job stands.
         """
-        if self.ready() and (self.successful() or finished_result(self.id) is not None):
-            rows = int(self._finished().get("rows") or 0) if self._succeeded() else 0
-            return Progress("done", rows, rows, rows)
+        if self.ready() and (self.successful() or records().finished_result(self.id) is not None):
+            done = self._finished() if self._succeeded() else {}
+            rows = int(done.get("rows") or 0)
+            return Progress("done", rows, rows, rows,
+                            max(dataset_rows(done).values(), default=rows))
         try:
             status = job_status(self.id)
         except LookupError:
             return Progress("queued")
         copied, verified, total = status.rows
-        return Progress(status.phase, copied, verified, total)
+        return Progress(status.phase, copied, verified, total, status.records)
 
     def wait_for_output(
         self,
@@ -246,8 +248,8 @@ class ConsolidationJob(AsyncResult):
         """True once the job ended; raise JobLostError if the broker forgot it."""
         if self.ready():
             return True
-        if job_info(self.id) is None:
-            if finished_result(self.id) is not None or self.ready():
+        if records().job_info(self.id) is None:
+            if records().finished_result(self.id) is not None or self.ready():
                 return True
             removed = discard_job_files(self.files) if self.files is not None else []
             raise JobLostError(
@@ -275,11 +277,11 @@ class ConsolidationJob(AsyncResult):
             If the done marker is not the job's own, or (signing on) the
             backend says the job succeeded without one.
         """
-        if finished_result(self.id) is not None:
+        if records().finished_result(self.id) is not None:
             return True
         if not self.successful():
             return False
-        if records_authenticated():
+        if records().authenticated:
             raise ForgedRecordError(
                 f"the result backend says job {self.id} succeeded, but the job recorded no "
                 "authenticated result (chkq-job-done-JOB): refused; someone with access to "
@@ -289,8 +291,8 @@ class ConsolidationJob(AsyncResult):
 
     def _finished(self) -> dict[str, Any]:
         """The link step's result of a job that succeeded."""
-        done = finished_result(self.id)
-        if done is None and not records_authenticated() and self.successful() \
+        done = records().finished_result(self.id)
+        if done is None and not records().authenticated and self.successful() \
                 and isinstance(self.result, dict):
             done = self.result
         return done or {}
@@ -314,7 +316,8 @@ class ConsolidationJob(AsyncResult):
         return JobSummary(self.id, output, rows=int(done.get("rows") or 0),
                           files=int(done.get("files") or 0), bytes=size, seconds=seconds,
                           warnings=[*self.client_warnings,
-                                    *(str(w) for w in done.get("warnings") or [])])
+                                    *(str(w) for w in done.get("warnings") or [])],
+                          datasets=dataset_rows(done))
 
     def _outcome(self) -> JobSummary:
         if self._succeeded():
@@ -322,124 +325,12 @@ class ConsolidationJob(AsyncResult):
         exc = self.result
         if isinstance(exc, ChordError):
             exc = root_cause(exc)
-        entry = cancelled(self.id)
+        entry = records().cancelled(self.id)
         if entry is not None:  # its steps then fail as revoked, or with a ChordError
             raise JobCancelledError(f"job {self.id} was cancelled ({entry.get('by')})")
         if isinstance(exc, BaseException):
             raise exc
         raise JobFailedError(f"job {self.id} failed: {exc!r}")
-
-
-def served_queues(timeout: float = INSPECT_SECONDS) -> set[str]:
-    """Names of the queues that live workers consume from (a broadcast; waits ``timeout``)."""
-    replies = get_app().control.inspect(timeout=timeout).active_queues() or {}
-    return {str(q.get("name")) for queues in replies.values() for q in queues or []
-            if isinstance(q, dict)}
-
-
-class EndSignal:
-    """Wakes a waiting client as soon as the job's result is stored.
-
-    The job's result (its link step's, or the failure stored under the job
-    id) is written by Celery's Redis result backend with a ``PUBLISH`` on
-    the result's key: a subscription to that channel lets :meth:`wait`
-    return the moment the job ends instead of at the next poll. It only
-    wakes the client, which then reads the job's records as it always does;
-    without a Redis subscription (another backend, a broker outage) it
-    sleeps.
-    """
-
-    def __init__(self, job: AsyncResult) -> None:
-        self._pubsub: Any = None
-        try:
-            key = job.backend.get_key_for_task(job.id)
-            pubsub = job.backend.client.pubsub(ignore_subscribe_messages=True)
-            pubsub.subscribe(key)
-            self._pubsub = pubsub
-        except Exception:  # noqa: BLE001 - a wake-up only: polling still decides
-            self._pubsub = None
-
-    def __enter__(self) -> EndSignal:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def wait(self, seconds: float) -> None:
-        """Sleep ``seconds``, or less if the job's result is published meanwhile."""
-        if self._pubsub is None:
-            time.sleep(seconds)
-            return
-        try:
-            self._pubsub.get_message(timeout=seconds)
-        except Exception:  # noqa: BLE001 - the broker went away: poll from now on
-            self.close()
-            time.sleep(seconds)
-
-    def close(self) -> None:
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                self._pubsub.close()
-            self._pubsub = None
-
-
-class QueueWatch:
-    """Tells, once per queue, when no worker serves the queue a job waits in.
-
-    Without it, a job sent to a cluster with no worker (or none for, say,
-    the copy queue) waits silently for ever. The check is a broadcast that
-    waits ``INSPECT_SECONDS`` for replies; it runs in a thread of its own,
-    so that the waiting client notices the job's end as soon as it comes.
-    """
-
-    def __init__(self, job: ConsolidationJob, notice: Callable[[str], None]) -> None:
-        self.job, self.notice = job, notice
-        self.next_check = time.monotonic() + FIRST_WORKER_CHECK_SECONDS
-        self.told: set[str] = set()
-        self.checking: threading.Thread | None = None
-
-    def waiting_in(self) -> tuple[str, str] | None:
-        """The queue the job waits in now, and its phase (None: it is not waiting)."""
-        status = job_status(self.job.id)
-        if status.state not in ("PENDING", "RUNNING"):
-            return None
-        queue = status.queue or PHASE_QUEUES.get(status.phase)
-        return (queue, status.phase) if queue else None
-
-    def check(self) -> None:
-        """Start a check of the job's queue, if one is due and none is running."""
-        now = time.monotonic()
-        if now < self.next_check or (self.checking is not None and self.checking.is_alive()):
-            return
-        self.next_check = now + WORKER_CHECK_SECONDS
-        try:
-            waiting = self.waiting_in()
-        except (LookupError, *BROKER_ERRORS):  # type: ignore[misc]
-            return
-        if waiting is None or waiting[0] in self.told:
-            return
-        self.checking = threading.Thread(target=self._tell_if_unserved, args=waiting,
-                                         name="chkq-queue-watch", daemon=True)
-        self.checking.start()
-
-    def _tell_if_unserved(self, queue: str, phase: str) -> None:
-        try:
-            if queue in served_queues() or queue in served_queues(CONFIRM_SECONDS):
-                return
-        except Exception:  # noqa: BLE001 - advisory: the broker may be down, the client closing
-            return
-        self.told.add(queue)
-        if queue.startswith(NODE_QUEUE_PREFIX):
-            node = queue.removeprefix(NODE_QUEUE_PREFIX)
-            self.notice(f"the worker {node}, which holds job {self.job.id} in its scratch "
-                        f"directory, is gone ({phase}); start it again (chkq worker -n {node}, "
-                        f"the same CHKQ_SCRATCH_DIR) or cancel the job (chkq cancel "
-                        f"{self.job.id}) and submit it again; still waiting")
-            return
-        short = queue.removeprefix("chkq.")
-        self.notice(f"no worker serves queue {queue}, where job {self.job.id} waits ({phase}); "
-                    f"start one (chkq worker -Q {short}) or cancel the job (chkq cancel "
-                    f"{self.job.id}); still waiting")
 
 
 def out_dir_of(out_dir: str | Path | None) -> Path:
@@ -475,7 +366,7 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
     ChkqError
         As :func:`consolidate_checkpoints`.
     """
-    from chkq.consolidation.discovery import check_numbering, find_checkpoints
+    from chkq.consolidation.discovery import check_numbering, find_checkpoints, no_checkpoints
     from chkq.fsutil import check_writable_dir
 
     model = check_model_name(model_name)
@@ -484,15 +375,13 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
     if output.exists() or output.is_symlink():
         raise OutputExistsError(f"output {str(output)!r} exists; it is never overwritten")
     if scan:
-        from chkq.consolidation.prepare import discover_and_scan
+        from chkq.consolidation.run_scan import discover_and_scan
 
         checkpoints, _ = discover_and_scan(directory, model, allow_gaps=allow_gaps)
     else:
         checkpoints = find_checkpoints(directory, model)
         if not checkpoints:
-            raise NoCheckpointsError(
-                f"no checkpoints of model {model!r} in {str(directory)!r} "
-                f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/)")
+            raise no_checkpoints(directory, model)
     gap = check_numbering(checkpoints, model, allow_gaps=allow_gaps)
     if gap is not None and notes is not None:
         notes.append(gap)
@@ -502,9 +391,12 @@ def precheck(model_name: str, out_dir: str | Path | None, *, scan: bool,
 
 def submit_consolidation(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
-    *, allow_gaps: bool = False,
+    *, allow_gaps: bool = False, through: int | None = None,
 ) -> ConsolidationJob:
     """Send a consolidation job to the configured cluster; return its handle at once.
+
+    ``through``: consolidate only the checkpoints numbered up to it (the first
+    version of a followed run, whose later checkpoints are still being written).
 
     Obvious mistakes (see :func:`precheck`: a bad name or directory, an
     existing output, no checkpoints, a gap in their numbers) are refused
@@ -515,13 +407,14 @@ def submit_consolidation(
     notes: list[str] = []
     directory, model = precheck(model_name, out_dir, scan=False, allow_gaps=allow_gaps,
                                 notes=notes)
+    refuse_if_running(model, str(directory))
     job = uuid.uuid4().hex
     submitted = time.monotonic()
-    record_submitted(job, model, str(directory))
-    consolidation_signature(str(directory), model, job, cleanup, allow_gaps).apply_async()
-    handle = ConsolidationJob(job, app=get_app())
-    handle.files = JobFiles(directory, model, job)
-    handle.submitted_at = submitted
+    party = plan_credential(job, str(directory), model, cleanup, allow_gaps)
+    records().record_submitted(job, model, str(directory))
+    consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
+                            party=party, through=through).apply_async()
+    handle = ConsolidationJob.sent(job, JobFiles(directory, model, job), submitted)
     handle.client_warnings = tuple(notes)
     return handle
 
@@ -541,20 +434,20 @@ def submit_store_consolidation(
     with no checkpoints of the model, or a destination that exists, is
     refused here, before anything is sent.
     """
-    from chkq.consolidation.store_run import find_store_run
+    from chkq.staging import find_store_run
     from chkq.tasks.from_store import check_destination_free, destination_of, stage_signature
 
     model = check_model_name(model_name)
     found = find_store_run(source, model, run)
     check_destination_free(found, destination_of(found, to))
+    refuse_if_running(model, source)
     job = uuid.uuid4().hex
     submitted = time.monotonic()
-    record_submitted(job, model, source)
+    party = stage_credential(job, source, model, run, to, cleanup, allow_gaps)
+    records().record_submitted(job, model, source)
     stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
-                    allow_gaps=allow_gaps).apply_async()
-    handle = ConsolidationJob(job, app=get_app())
-    handle.submitted_at = submitted
-    return handle
+                    allow_gaps=allow_gaps, party=party).apply_async()
+    return ConsolidationJob.sent(job, submitted_at=submitted)
 
 
 def run_consolidation(
@@ -592,9 +485,13 @@ def run_consolidation(
         finally:
             drop_result_subscriptions()
     if source is None:
-        precheck(model_name, out_dir, scan=True, allow_gaps=allow_gaps)
-    with EmbeddedCluster(workers) as cluster:
+        directory, model = precheck(model_name, out_dir, scan=True, allow_gaps=allow_gaps)
+        target = str(directory)
+    else:
+        model, target = check_model_name(model_name), source
+    with run_claim(model, target) as claimed, EmbeddedCluster(workers) as cluster:
         job = submit()
+        claimed(job.id)
         if job.files is not None:
             cluster.guard(job.files)
         if on_submitted is not None:

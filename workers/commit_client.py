@@ -27,11 +27,11 @@ from chkq.errors import SourceNotFoundError
 from chkq.log import CheckpointLog, CheckpointRecord, default_writer, validate_run_id
 from chkq.log.transfer import CommitOptions, commit_bytes, read_stable
 from chkq.stores import open_store
-from chkq.stores.base import StoreTimeouts, overall_budget
+from chkq.stores.retry import RETRY_LOGGER, StoreTimeouts, overall_budget
 from chkq.stores.url import parse_store_url
 
 #: The logger store operations report their transient failures (and retries) on.
-STORE_RETRY_LOGGER = "chkq.stores.base"
+STORE_RETRY_LOGGER = RETRY_LOGGER
 
 
 class _RetryNotices(logging.Handler):
@@ -191,12 +191,11 @@ def record_of(result: dict[str, Any]) -> CheckpointRecord:
 
 def commit_checkpoint(
     store_url: str, run: str, path: str | Path, options: CommitOptions | None = None, *,
-    workers: int | None = None, timeout: float | None = None, **changes: Any,
+    timeout: float | None = None, **changes: Any,
 ) -> CheckpointRecord:
     """Commit a checkpoint file through the cluster and wait, or (no broker) in this process.
 
-    ``options`` as for :func:`commit_in_process`. ``workers`` is accepted for
-    compatibility and unused: no cluster is started for a commit.
+    ``options`` as for :func:`commit_in_process`.
     """
     wanted = CommitOptions.of(options, **changes)
     if get_settings().broker_url:

@@ -16,7 +16,7 @@ Nothing outlives the command, whatever ends it:
   main process and redis-server are started with ``PR_SET_PDEATHSIG``
   (:func:`chkq.workers.broker.die_with_parent`), and Celery gives its pool
   processes the same, so the whole tree goes with its parent; the reaper
-  (:mod:`chkq.workers.reaper`), which holds a lifeline to the command,
+  (:mod:`chkq.workers.runtime.reaper`), which holds a lifeline to the command,
   then removes the job's temporaries and exits.
 
 The worker's log goes to an anonymous temporary file and the broker's
@@ -52,7 +52,7 @@ from chkq.config.routing import QUEUES
 from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import EmbeddedClusterError, WaitTimeoutError
 from chkq.workers.broker import PrivateRedis, die_with_parent
-from chkq.workers.launch import (  # noqa: F401 (worker_command re-exported)
+from chkq.workers.runtime.launch import (  # noqa: F401 (worker_command re-exported)
     launch_worker,
     python_command,
     worker_command,
@@ -125,7 +125,7 @@ class EmbeddedCluster:
                 queues=QUEUES, preexec_fn=die_with_parent(signal.SIGKILL),
             )
             self.reaper = subprocess.Popen(
-                python_command("chkq.workers.reaper", str(self.process.pid),
+                python_command("chkq.workers.runtime.reaper", str(self.process.pid),
                                str(self.broker.private_dir)),
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True,
@@ -139,7 +139,7 @@ class EmbeddedCluster:
         """Remove ``files``' temporaries if the job is cut short, even by SIGKILL of this process.
 
         An exception or signal runs an abandon hook; a SIGKILL leaves it to the
-        reaper (:mod:`chkq.workers.reaper`), told of the job over its lifeline.
+        reaper (:mod:`chkq.workers.runtime.reaper`), told of the job over its lifeline.
         """
         self.on_abandon(lambda: discard_job_files(files))
         if self.reaper is not None and self.reaper.stdin is not None:

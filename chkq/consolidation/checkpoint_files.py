@@ -140,9 +140,11 @@ def check_same_file(path: str | Path, fd: int, opened: int) -> None:
 
 _SIGNATURES: dict[bytes, str] = {}
 
-#: Most a deflate-like filter can shrink data (zlib's limit is about 1032:1); a file that
-#: declares more rows than its stored bytes could hold at that ratio is refused.
-MAX_FILTER_RATIO = 1100
+#: Default of the most bytes a run's filtered extensible datasets may decode to, all files
+#: together (``CHKQ_MAX_DECODED_BYTES``): what a job may cost in decoding whatever its files
+#: store, since zstd, bzip2, Blosc and LZ4 shrink constant data by far more than any fixed
+#: ratio.
+DEFAULT_MAX_DECODED_BYTES = 1 << 40
 
 #: Bytes a task may always hold at once for one row, element, attribute or chunk, however
 #: small ``CHKQ_BLOCK_BYTES`` is (a small block paces the work; it does not make a 1 MiB
@@ -157,6 +159,12 @@ DIGEST_FILE_BYTES = 1024 * 1024
 #: ahead of their data, not for forged sizes. An output is thus at most its sources'
 #: bytes (decoded) plus this much per file.
 UNWRITTEN_SLACK = 16 * 1024 * 1024
+
+#: Chunks of extensible datasets a checkpoint file may declare but not store, all its
+#: datasets together. Each costs the output a chunk (allocated, indexed, written, checked)
+#: whatever its bytes, so :data:`UNWRITTEN_SLACK` alone would let 16 Mi one-byte chunks
+#: through; honest files with chunks of 256 bytes or more reach the byte bound first.
+UNWRITTEN_CHUNKS = 65536
 
 
 #: Deepest object chkq walks to, in groups from the root (the root's members are at 1). HDF5's own
@@ -282,9 +290,12 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
     Each stored chunk holds its share of the dataset's extent (clipped at
     the edges); the rest of the extent lies in chunks that are not stored,
     which read as the fill value without costing a byte of the file. Those
-    are what the caller bounds (:data:`UNWRITTEN_SLACK` per file). The
-    stored chunks must hold their share: unfiltered, that is their size;
-    filtered, at most :data:`MAX_FILTER_RATIO` times it. The walk visits
+    are what the caller bounds (:data:`UNWRITTEN_SLACK` per file). Unfiltered
+    stored chunks must hold their share in their size. Filtered ones may
+    decode to any multiple of it (a chunk of zeros is a few dozen bytes in
+    Blosc): what they decode to is bounded per run instead
+    (:func:`chkq.consolidation.memory_bounds.check_decoded`), and per task by
+    the chunk's size (:func:`memory_need`). The walk visits
     stored chunks only, so it costs what the file holds, whatever it
     declares. Not chunked: 0 (contiguous and compact data is read only
     where it is stored). ``index``: the dataset's :func:`chunk_index`, if
@@ -293,7 +304,7 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
     Raises
     ------
     ValueError
-        If the stored chunks declare more than their bytes could hold.
+        If unfiltered stored chunks declare more than their bytes hold.
     """
     shape = dsid.shape
     if dcpl.get_layout() != h5d.CHUNKED or not shape or 0 in shape:
@@ -305,11 +316,19 @@ def declared_bytes(path: Path, name: str, dsid: h5d.DatasetID, dcpl: h5p.PropDCI
         held += size * element_count([min(c, extent - o) for o, c, extent
                                       in zip(info.chunk_offset, chunk, shape, strict=True)])
         stored += int(info.size)
-    if held > stored * (MAX_FILTER_RATIO if dcpl.get_nfilters() else 1):
+    if not dcpl.get_nfilters() and held > stored:
         raise BadCheckpointError(f"dataset '/{name}' of checkpoint file {str(path)!r} declares "
                          f"{held} bytes in chunks that store only {stored} bytes: the file "
                          "is damaged or forged")
     return size * element_count(shape) - held
+
+
+def grid_chunks(chunk: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """How many chunks of shape ``chunk`` cover a dataset of ``shape``, stored or not."""
+    count = 1
+    for c, n in zip(chunk, shape, strict=True):
+        count *= -(-n // c)
+    return count
 
 
 def memory_need(dcpl: h5p.PropDCID, tid: h5t.TypeID, shape: tuple[int, ...]) -> int:
@@ -411,8 +430,8 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
     ``fd``: the file already opened, to be read instead of ``path``
     (:func:`open_checkpoint_id`).
     Uses the low-level API (``H5Fopen``, :func:`walk_objects`, ``H5Dopen``): the
-    high-level ``visititems`` built an h5py object per member and took
-    ~1.6 ms a file, which dominated planning a run of thousands of files.
+    high-level ``visititems`` builds an h5py object per member, which dominated
+    planning a run of thousands of files.
 
     Raises
     ------
@@ -430,6 +449,7 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
             )
         extensible_types: dict[str, tuple[h5d.DatasetID, h5t.TypeID, tuple[int, ...]]] = {}
         unwritten, worst = 0, (0, "", 0)
+        missing, most = 0, (0, "")
         try:
             for raw, kind in walk_objects(fid, f"checkpoint file {str(path)!r}"):
                 name = raw.decode("utf-8", "surrogateescape")
@@ -454,6 +474,12 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                         index = (chunk_index(dsid, dcpl.get_chunk(), space.shape)
                                  if dcpl.get_layout() == h5d.CHUNKED else None)
                         unstored = declared_bytes(path, name, dsid, dcpl, tid, index)
+                        if index is not None:
+                            absent = max(0, grid_chunks(dcpl.get_chunk(), space.shape)
+                                         - len(index))
+                            missing += absent
+                            if absent > most[0]:
+                                most = (absent, name)
                         unwritten += unstored
                         if unstored > worst[0]:
                             worst = (unstored, name, int(space.shape[0]))
@@ -475,6 +501,12 @@ def scan_file(path: Path, digest: bool = True, fd: int | None = None) -> FileSca
                     f"{worst[2]} rows, {worst[0]} bytes of them in chunks the file does not "
                     f"store (at most {UNWRITTEN_SLACK} bytes of rows may be unwritten in a "
                     "file, all datasets together): the file is damaged or forged")
+            if missing > UNWRITTEN_CHUNKS:
+                raise BadCheckpointError(
+                    f"dataset '/{most[1]}' of checkpoint file {str(path)!r} declares {most[0]} "
+                    f"chunks the file does not store (at most {UNWRITTEN_CHUNKS} chunks may be "
+                    "unwritten in a file, all datasets together): the file is damaged or "
+                    "forged")
             scan.digest = _small_file_digest(extensible_types) if digest else ""
         except (OSError, RuntimeError, KeyError, TypeError) as exc:
             raise BadCheckpointError(f"cannot read checkpoint file {str(path)!r}: {exc}") from None

@@ -1,9 +1,9 @@
 """Encoding whole chunks of shuffle + deflate datasets with ISA-L, in HDF5's own format.
 
-HDF5's deflate filter calls zlib's ``compress2``: about 50 MB/s at level 4
-here, which made compression most of a gzip run's time. ISA-L writes the
-same format (a zlib stream, which HDF5's filter and every other reader
-inflate) at about 1 GB/s with the same ratio on checkpoint data. Chunks
+HDF5's deflate filter calls zlib's ``compress2``, slow enough to be most of
+a gzip run's time. ISA-L writes the same format (a zlib stream, which HDF5's
+filter and every other reader inflate) many times faster, with the same
+ratio on checkpoint data (figures in docs/performance.md). Chunks
 encoded here are written with ``write_direct_chunk`` into a dataset whose
 filter pipeline (shuffle, deflate and its level) stays as the template
 declares it, so the file is unchanged but for the compressed bytes.
@@ -131,7 +131,16 @@ def _zero_error_bounds(values: tuple[int, ...]) -> bool:
 
 
 def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
-    """The name of a filter in ``dcpl``'s pipeline that does not restore values exactly, or None.
+    """The name of the first filter in ``dcpl``'s pipeline that does not restore values exactly.
+
+    None if every filter restores them (:func:`lossy_filters`).
+    """
+    found = lossy_filters(dcpl)
+    return next(iter(found.values())) if found else None
+
+
+def lossy_filters(dcpl: h5p.PropDCID) -> dict[int, str]:
+    """The filters of ``dcpl``'s pipeline that do not restore values exactly, by index: names.
 
     A lossy filter's output depends on where chunk boundaries fall (it
     approximates each chunk's values as a whole), so rows decoded and
@@ -143,19 +152,20 @@ def lossy_filter(dcpl: h5p.PropDCID) -> str | None:
     filter on floating-point values or on integers with a fixed bit count
     (which drops higher bits).
     """
+    found: dict[int, str] = {}
     for i in range(dcpl.get_nfilters()):
         code, _, values, _ = dcpl.get_filter(i)
         if code == h5z.FILTER_SCALEOFFSET:
             if not values or values[0] != _SCALEOFFSET_INT:
-                return "scale-offset on floating-point values"
-            if len(values) > 1 and values[1] != 0:
-                return "scale-offset with a fixed bit count"
+                found[i] = "scale-offset on floating-point values"
+            elif len(values) > 1 and values[1] != 0:
+                found[i] = "scale-offset with a fixed bit count"
         elif code == 32013:
             if len(values) < 4 or values[3] >> 20 != _ZFP_REVERSIBLE_MODE:
-                return "ZFP (fixed-rate, fixed-precision or fixed-accuracy mode)"
+                found[i] = "ZFP (fixed-rate, fixed-precision or fixed-accuracy mode)"
         elif code in _SZ_FILTERS:
             if not _zero_error_bounds(values):
-                return _LOSSY_FILTERS[code]
+                found[i] = _LOSSY_FILTERS[code]
         elif code in _LOSSY_FILTERS:
-            return _LOSSY_FILTERS[code]
-    return None
+            found[i] = _LOSSY_FILTERS[code]
+    return found

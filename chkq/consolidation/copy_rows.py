@@ -21,10 +21,12 @@ from dataclasses import dataclass, field
 
 import h5py
 import numpy as np
-from h5py import h5d, h5f, h5s
+from h5py import h5d, h5f
 
 from chkq.consolidation.checkpoint_files import open_checkpoint_id
-from chkq.consolidation.chunk_encoding import ChunkEncoder, lossy_filter
+from chkq.consolidation.chunk_encoding import ChunkEncoder, lossy_filters
+from chkq.consolidation.h5types import chunk_options, unfiltered_edges
+from chkq.consolidation.hdf5_encoding import HDF5Encoder, unfiltered_chunk
 from chkq.consolidation.plan import CopyUnit, DatasetPlan, Plan
 from chkq.consolidation.rowio import (
     ByteCopier,
@@ -33,9 +35,7 @@ from chkq.consolidation.rowio import (
     read_padded,
     start_writeback,
 )
-from chkq.consolidation.skeleton import create_extensible
 from chkq.consolidation.stamps import check_descriptor, open_unchanged
-from chkq.errors import BadCheckpointError
 from chkq.rundir import CREATE, WRITE, RunDir
 
 Progress = Callable[[int], None]
@@ -307,11 +307,15 @@ def same_pipeline(a: h5d.DatasetID, b: h5d.DatasetID) -> bool:
     """Whether two datasets store chunks alike: same type, chunk shape and filter pipeline.
 
     The filter pipeline compares every filter's id, flags and stored
-    parameters, in order. With these equal, a chunk's stored bytes and
-    filter mask decode to the same rows in either dataset.
+    parameters, in order, and the chunk options (whether edge chunks are
+    stored unfiltered, which HDF5 decides by where a chunk lies, not by its
+    filter mask). With these equal, a chunk's stored bytes and filter mask
+    decode to the same rows in either dataset.
     """
     pa, pb = a.get_create_plist(), b.get_create_plist()
     if pa.get_layout() != h5d.CHUNKED or pb.get_layout() != h5d.CHUNKED:
+        return False
+    if chunk_options(pa) != chunk_options(pb):
         return False
     if tuple(pa.get_chunk()) != tuple(pb.get_chunk()) or not a.get_type().equal(b.get_type()):
         return False
@@ -343,6 +347,12 @@ def chunk_starts(d: DatasetPlan) -> list[tuple[int, ...]]:
     tile = d.chunk[1:]
     grid = [math.ceil(t / c) for t, c in zip(d.trailing, tile, strict=True)]
     return [tuple(c * t for c, t in zip(coords, tile, strict=True)) for coords in np.ndindex(*grid)]
+
+
+def edge_chunk(d: DatasetPlan, row: int, where: tuple[int, ...]) -> bool:
+    """Whether the output's chunk at ``(row, *where)`` reaches past the dataset's extent."""
+    return row + d.chunk[0] > d.total or any(
+        w + c > t for w, c, t in zip(where, d.chunk[1:], d.trailing, strict=True))
 
 
 def all_chunks_stored(dsid: h5d.DatasetID) -> bool:
@@ -388,38 +398,6 @@ class PartWriter:
         self.buffer = bytearray()
 
 
-class HDF5Encoder:
-    """Encodes chunks through HDF5's own filters, for pipelines chkq does not encode itself.
-
-    Rows are written, starting on the chunk grid, into a dataset created
-    like the template's in an in-memory file; each chunk's stored bytes and
-    filter mask are then read back with ``read_direct_chunk``. Only the
-    output's last chunk can be partial; past the rows written it holds
-    whatever the in-memory dataset held there, bytes beyond the dataset's
-    end that no reader sees.
-    """
-
-    def __init__(self, template: h5py.Dataset, rows: int) -> None:
-        self.file = h5py.File(f"chkq-encode-{id(self)}", "w", driver="core",
-                              backing_store=False)
-        self.data = create_extensible(self.file, "data", template, rows).id
-        self.type = self.data.get_type()
-
-    def encode(self, rows: np.ndarray, tiles: list[tuple[int, ...]], per_chunk: int
-               ) -> Iterator[tuple[int, tuple[int, ...], int, bytes]]:
-        """``(first row, trailing offset, mask, stored bytes)`` of the chunks holding ``rows``."""
-        fspace = self.data.get_space()
-        fspace.select_hyperslab((0,) * rows.ndim, rows.shape)
-        self.data.write(h5s.create_simple(rows.shape), fspace, rows, mtype=self.type)
-        for first in range(0, len(rows), per_chunk):
-            for where in tiles:
-                mask, data = self.data.read_direct_chunk((first, *where))
-                yield first, where, mask, data
-
-    def close(self) -> None:
-        self.file.close()
-
-
 def _copy_to_part(
     run: RunDir,
     plan: Plan,
@@ -444,7 +422,8 @@ def _copy_to_part(
     compares digests instead of decoding every source again. Whole chunks
     of a [shuffle,] deflate dataset are encoded with ISA-L
     (:mod:`chkq.consolidation.chunk_encoding`, twenty times HDF5's zlib);
-    the rest through HDF5's own filters (:class:`HDF5Encoder`). The
+    the rest through HDF5's own filters
+    (:class:`chkq.consolidation.hdf5_encoding.HDF5Encoder`). The
     template is opened as planned (its stamp checked); the part file
     (:class:`PartWriter`) is created exclusively through ``run`` (never
     through a link planted at its name or above it), written through its
@@ -473,9 +452,19 @@ def _copy_to_part(
                           dtype=f"V{d.element_size}")
         encoder = ChunkEncoder.for_dataset(template.id)
         fallback: HDF5Encoder | None = None
-        lossy = lossy_filter(template.id.get_create_plist())
+        lossy = lossy_filters(template.id.get_create_plist())
+        raw_edges = unfiltered_edges(template.id.get_create_plist())
         tiles = chunk_starts(d)
         pending_rows, written = 0, 0
+
+        def add(row: int, where: tuple[int, ...], chunk: bytes, mask: int = 0) -> None:
+            """Store an encoded chunk, or its elements as they are where HDF5 keeps them so."""
+            if raw_edges and edge_chunk(d, row, where):
+                first = row - start - written
+                chunk = unfiltered_chunk(buffer[first:min(first + per_chunk, pending_rows)],
+                                         where, tuple(d.chunk))
+                mask = 0
+            part.add((row, *where), chunk, mask)
 
         def flush() -> None:
             nonlocal pending_rows, written, fallback
@@ -485,14 +474,14 @@ def _copy_to_part(
                 for first in range(0, done, per_chunk):
                     row = start + written + first
                     for where, chunk in encoder.encode_rows(buffer[first:first + per_chunk]):
-                        part.add((row, *where), chunk)
+                        add(row, where, chunk)
             if pending_rows > done:
                 if fallback is None:
-                    fallback = HDF5Encoder(template, len(buffer))
+                    fallback = HDF5Encoder(template, len(buffer), d.pipeline, lossy)
                 row = start + written + done
                 for first, where, mask, chunk in fallback.encode(buffer[done:pending_rows],
                                                                  tiles, per_chunk):
-                    part.add((row + first, *where), chunk, mask)
+                    add(row + first, where, chunk, mask)
             written += pending_rows
             pending_rows = 0
 
@@ -531,14 +520,6 @@ def _copy_to_part(
                                 progress(stats.rows)
                         if lo == end:
                             continue
-                        if lossy is not None:
-                            raise BadCheckpointError(
-                                f"dataset '/{d.name}' of checkpoint file "
-                                f"{str(plan.file_path(file_index))!r} is stored with a lossy "
-                                f"filter ({lossy}) and its chunks cannot move unchanged "
-                                "(another chunk shape or filter parameters than the final "
-                                "checkpoint's, chunks not written, or rows off the chunk "
-                                "grid): encoding its rows again would change their values")
                         digest = hashlib.sha256()
                         first_row = lo + base
                         while lo < end:

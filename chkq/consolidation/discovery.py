@@ -12,6 +12,7 @@ checkpoints.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ from chkq.errors import (
     BadCheckpointError,
     BadNameError,
     CheckpointGapError,
+    NoCheckpointsError,
     RunNotADirectoryError,
     RunNotFoundError,
+    RunNotReadableError,
 )
 from chkq.rundir import RunDir
 
@@ -94,19 +97,77 @@ def find_checkpoints(out_dir: str | Path, model: str,
     directory = check_out_dir(out_dir)
     check_model_name(model)
     pattern = checkpoint_pattern(model)
-    # os.scandir: the entries' types come with the listing (no stat per entry: a run of
-    # 20,000 files took 0.24 s with Path.iterdir and two stats an entry). Directories are
+    # os.scandir: the entries' types come with the listing (no stat per entry, which
+    # dominated listing a run of thousands of files). Directories are
     # listed through descriptors opened without following a link at any level.
     if run is not None:
         return _listed(run, directory, pattern)
-    with RunDir.open(directory) as opened:
+    try:
+        opened = RunDir.open(directory)
+    except PermissionError as exc:
+        raise unreadable("run directory", directory, exc) from None
+    with opened:
         return _listed(opened, directory, pattern)
+
+
+#: Any model's checkpoint entry, the model's name first.
+_ANY_CHECKPOINT = re.compile(r"(.+)_chk\d{5}(?:\.h5)?")
+#: Most model names a refusal lists.
+MODELS_SHOWN = 20
+
+
+def models_in(out_dir: str | Path, run: RunDir | None = None) -> list[str]:
+    """The models whose checkpoints ``out_dir`` holds, sorted (``[]`` if it cannot be listed).
+
+    For a refusal that names the models a mistyped name could have meant, as
+    ``chkq log restore`` lists a run's models.
+    """
+    try:
+        names = os.listdir(run.fd) if run is not None else os.listdir(out_dir)
+    except OSError:
+        return []
+    found = {m.group(1) for m in map(_ANY_CHECKPOINT.fullmatch, names) if m}
+    return sorted(found)
+
+
+def no_checkpoints(out_dir: str | Path, model: str, run: RunDir | None = None
+                   ) -> NoCheckpointsError:
+    """The error for a run directory that holds no checkpoint of ``model``, with its models."""
+    models = models_in(out_dir, run)
+    shown = ", ".join(repr(m) for m in models[:MODELS_SHOWN])
+    if len(models) > MODELS_SHOWN:
+        shown += f" and {len(models) - MODELS_SHOWN} more"
+    return NoCheckpointsError(
+        f"no checkpoints of model {model!r} in {str(out_dir)!r} "
+        f"(expected {model}_chkNNNNN.h5 or {model}_chkNNNNN/"
+        + (f"; its models: {shown})" if models else "; it holds no model's checkpoints)"))
+
+
+def unreadable(what: str, path: Path, exc: OSError) -> RunNotReadableError:
+    """The error for a directory of a run that this process may not open or list.
+
+    Names the whole path (the system's message names only its last component)
+    and who is asking, so that the user knows what to change.
+    """
+    uid = os.geteuid()
+    try:
+        who = f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        who = f"uid {uid}"
+    return RunNotReadableError(
+        f"cannot read {what} {str(path)!r}: permission denied to {who}, which must be able "
+        "to list and enter it: check its mode and owner (chmod u+rx, or g+rx for a group "
+        "of that user)")
 
 
 def _listed(run: RunDir, directory: Path, pattern: re.Pattern[str]) -> list[Checkpoint]:
     files: dict[int, Path] = {}
     dirs: dict[int, Path] = {}
-    with os.scandir(run.fd) as entries:
+    try:
+        entries = os.scandir(run.fd)
+    except PermissionError as exc:
+        raise unreadable("run directory", directory, exc) from None
+    with entries:
         for entry in entries:
             match = pattern.fullmatch(entry.name)
             if match is None:
@@ -124,9 +185,16 @@ def _listed(run: RunDir, directory: Path, pattern: re.Pattern[str]) -> list[Chec
             found.append(Checkpoint(number, files[number], (files[number],)))
         else:
             folder = dirs[number]
-            folder_fd = run.open_dir(folder)
             try:
-                with os.scandir(folder_fd) as listing:
+                folder_fd = run.open_dir(folder)
+            except PermissionError as exc:
+                raise unreadable("checkpoint directory", folder, exc) from None
+            try:
+                try:
+                    listing = os.scandir(folder_fd)
+                except PermissionError as exc:
+                    raise unreadable("checkpoint directory", folder, exc) from None
+                with listing:
                     candidates = [p for p in listing
                                   if p.name.endswith(".h5") and not p.name.startswith(".")]
             finally:

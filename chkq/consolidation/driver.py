@@ -16,15 +16,20 @@ from chkq.consolidation.copy_rows import copy_unit
 from chkq.consolidation.link import discard_job_files, link_output, remove_checkpoints
 from chkq.consolidation.merge import merge_parts, remove_parts
 from chkq.consolidation.output_check import check_plan_output
-from chkq.consolidation.prepare import DEFAULT_BLOCK_BYTES, prepare
+from chkq.consolidation.prepare import DEFAULT_BLOCK_BYTES, DEFAULT_MAX_DECODED_BYTES, prepare
 from chkq.consolidation.verify_rows import digests_by_dataset, verify_files
 
 
 def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
                      block_bytes: int = DEFAULT_BLOCK_BYTES,
                      task_bytes: int = DEFAULT_BLOCK_BYTES, task_files: int = 64,
-                     allow_gaps: bool = False) -> Path:
+                     allow_gaps: bool = False,
+                     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Path:
     """Consolidate ``model``'s checkpoints in ``out_dir`` here and now; return the output.
+
+    ``max_decoded_bytes`` bounds the run's filtered rows, decoded, as a
+    worker's ``CHKQ_MAX_DECODED_BYTES`` does
+    (:func:`chkq.consolidation.memory_bounds.check_decoded`).
 
     Raises what the job would (subclasses of :class:`chkq.ChkqError`:
     NoCheckpointsError, OutputExistsError, CheckpointGapError unless
@@ -33,7 +38,8 @@ def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
     """
     job_id = uuid.uuid4().hex
     plan = prepare(out_dir, model, job_id, cleanup=cleanup, block_bytes=block_bytes,
-                   task_bytes=task_bytes, task_files=task_files, allow_gaps=allow_gaps)
+                   task_bytes=task_bytes, task_files=task_files, allow_gaps=allow_gaps,
+                   max_decoded_bytes=max_decoded_bytes)
     try:
         copies = {unit: copy_unit(plan, unit).digests for unit in range(len(plan.copy_units))}
         merge_parts(plan)

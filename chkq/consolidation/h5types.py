@@ -12,11 +12,14 @@ h5py's conversions, and is compared by value.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
 import math
+import os
 
 import numpy as np
-from h5py import h5t
+from h5py import h5d, h5p, h5t
 
 _CLASS_NAMES = {
     h5t.INTEGER: "integer", h5t.FLOAT: "float", h5t.TIME: "time", h5t.STRING: "string",
@@ -87,3 +90,75 @@ def type_key(tid: h5t.TypeID) -> str:
 def element_count(shape: tuple[int, ...] | list[int]) -> int:
     """Elements in an array of ``shape`` (1 for a scalar)."""
     return int(math.prod(shape))
+
+
+#: ``H5D_CHUNK_DONT_FILTER_PARTIAL_CHUNKS``: a dataset's edge chunks (those reaching past its
+#: extent on some axis) are stored without its filters (``H5Pset_chunk_opts``).
+DONT_FILTER_PARTIAL_CHUNKS = 0x2
+
+
+@functools.cache
+def _loaded_hdf5() -> tuple[str, ...]:
+    """Paths of the HDF5 libraries loaded in this process (h5py loads its own first)."""
+    found: list[str] = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            name = os.path.basename(path)
+            if name.startswith("libhdf5") and not name.startswith("libhdf5_hl") \
+                    and path not in found:
+                found.append(path)
+    return tuple(found)
+
+
+#: Chunk dimensions no dataset of chkq's uses: a creation property list h5py sets to them
+#: tells h5py's HDF5 library from another copy in the same process.
+_PROBE_CHUNK = (7919, 104729)
+
+
+@functools.cache
+def hdf5_library() -> ctypes.CDLL:
+    """The HDF5 library h5py runs on, for the calls h5py does not wrap.
+
+    Another copy of HDF5 may be loaded too (netCDF4's, or a filter plugin's), and an
+    identifier is only a number that another copy may know as one of its own: h5py's
+    library is the one that reads back the chunk dimensions h5py set on a property list.
+    """
+    loaded = _loaded_hdf5()
+    if len(loaded) == 1:
+        return ctypes.CDLL(loaded[0])
+    probe = h5p.create(h5p.DATASET_CREATE)
+    probe.set_chunk(_PROBE_CHUNK)
+    for path in loaded:
+        library = ctypes.CDLL(path)
+        if library.H5Iis_valid(ctypes.c_int64(probe.id)) <= 0:
+            continue
+        library.H5Eset_auto2(ctypes.c_int64(0), None, None)
+        dims = (ctypes.c_uint64 * 2)()
+        if library.H5Pget_chunk(ctypes.c_int64(probe.id), 2, dims) == 2 \
+                and tuple(dims) == _PROBE_CHUNK:
+            return library
+    raise RuntimeError("h5py's HDF5 library is not among those loaded in this process")
+
+
+def chunk_options(dcpl: h5p.PropDCID) -> int:
+    """A chunked dataset's chunk options (``H5Pget_chunk_opts``; 0 for other layouts)."""
+    if dcpl.get_layout() != h5d.CHUNKED:
+        return 0
+    options = ctypes.c_uint(0)
+    if hdf5_library().H5Pget_chunk_opts(ctypes.c_int64(dcpl.id),
+                                               ctypes.byref(options)) < 0:
+        raise RuntimeError("H5Pget_chunk_opts failed")
+    return int(options.value)
+
+
+def set_chunk_options(dcpl: h5p.PropDCID, options: int) -> None:
+    """Set a chunked creation property list's chunk options (``H5Pset_chunk_opts``)."""
+    if hdf5_library().H5Pset_chunk_opts(ctypes.c_int64(dcpl.id),
+                                               ctypes.c_uint(options)) < 0:
+        raise RuntimeError("H5Pset_chunk_opts failed")
+
+
+def unfiltered_edges(dcpl: h5p.PropDCID) -> bool:
+    """Whether a dataset stores its partial edge chunks without its filters."""
+    return dcpl.get_nfilters() > 0 and bool(chunk_options(dcpl) & DONT_FILTER_PARTIAL_CHUNKS)

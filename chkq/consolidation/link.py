@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.stamps import FileStamp, check_descriptor
@@ -109,18 +110,29 @@ def remove_checkpoints(plan: Plan) -> list[str]:
     place, with a warning, when it holds other files. Missing files are
     fine, so that a second run of the same step does nothing more.
     """
+    return remove_run_files(plan.open_run(), [(Path(path), plan.stamp(i))
+                                              for i, (path, *_rest) in enumerate(plan.files)],
+                            plan.checkpoints)
+
+
+def remove_run_files(opened: RunDir, files: list[tuple[Path, FileStamp]],
+                     checkpoints: list[list[Any]]) -> list[str]:
+    """:func:`remove_checkpoints` of ``files`` (each with the stamp it must still have).
+
+    ``opened`` (closed here) is the run directory; ``checkpoints`` holds
+    ``[number, path, is_directory]``, the directories to remove once empty.
+    """
     warnings: list[str] = []
-    run = Path(plan.out_dir)
-    opened = plan.open_run()
+    run = opened.path
     run_fd = opened.fd
     try:
         by_dir: dict[str, list[tuple[str, FileStamp]]] = {}
-        for index, (path, *_stamp) in enumerate(plan.files):
+        for path, expected in files:
             parts = Path(path).relative_to(run).parts
             if len(parts) not in (1, 2) or ".." in parts:
                 raise BadMessageError(f"checkpoint {path!r} is not inside the run directory")
             folder = parts[0] if len(parts) == 2 else ""
-            by_dir.setdefault(folder, []).append((parts[-1], plan.stamp(index)))
+            by_dir.setdefault(folder, []).append((parts[-1], expected))
         for folder, members in by_dir.items():
             try:
                 dir_fd = os.open(folder, DIRECTORY, dir_fd=run_fd) if folder else run_fd
@@ -139,7 +151,7 @@ def remove_checkpoints(plan: Plan) -> list[str]:
             finally:
                 if folder:
                     os.close(dir_fd)
-        for _number, where, is_dir in plan.checkpoints:
+        for _number, where, is_dir in checkpoints:
             if is_dir:
                 warning = _remove_folder(run_fd, Path(where).name, Path(where))
                 if warning:

@@ -3,7 +3,7 @@
 The planner scans every checkpoint file once, checks the run, and decides
 where each file's rows go in the output and how the copy and verification
 are cut into tasks. The plan is kept where only workers write (the result
-backend, see ``chkq.tasks.protocol``), never in the run directory, whose
+backend, see ``chkq.jobs``), never in the run directory, whose
 owner is not trusted; tasks receive only the job's directory, model and id,
 plus a unit number.
 
@@ -61,9 +61,9 @@ class DatasetPlan:
         write its chunks' bytes at ``chunk_offsets`` (uncompressed data of a
         fixed size); ``"chunks"``: copy tasks write chunk-aligned row ranges
         to part files, whose encoded chunks the merge step moves into the
-        output unchanged (filtered data of a fixed size); ``"whole"``: one
-        copy task writes the whole dataset to a part file, which the merge
-        step copies into the output (variable-length data).
+        output unchanged (filtered data of a fixed size); ``"whole"``: the
+        merge step copies the rows from the checkpoint files into the
+        output (variable-length data, references); no copy task has them.
     offsets
         Output row where each file's rows start, plus the total at the end.
     row_bytes
@@ -81,8 +81,14 @@ class DatasetPlan:
     padding
         ``[file index, rows]`` for each file that provides more rows than it
         stores (records of a dimension its longest dataset has and this one
-        lacks, ``chkq.consolidation.prepare.record_padding``): its last
-        ``rows`` output rows are the dataset's fill value.
+        lacks, ``chkq.consolidation.record_dimensions.record_padding``): its
+        last ``rows`` output rows are the dataset's fill value.
+    pipeline
+        Chunks mode, when no dataset created anew stores the template's
+        filter parameters: the base64 of a small HDF5 file image whose
+        ``/data`` is an empty copy of the template's dataset
+        (``chkq.consolidation.filter_pipelines.pipeline_image``), in which
+        copy tasks encode their chunks; else empty.
     """
 
     name: str
@@ -95,6 +101,7 @@ class DatasetPlan:
     chunk_offsets: list[int] = field(default_factory=list)
     source_chunks: list[list[int]] = field(default_factory=list)
     padding: list[list[int]] = field(default_factory=list)
+    pipeline: str = ""
 
     @property
     def total(self) -> int:
@@ -109,8 +116,8 @@ class DatasetPlan:
 class CopyUnit:
     """One copy task's work: output row ranges ``[dataset index, start, stop]``.
 
-    A unit with ``part`` set holds one piece of a ``chunks`` or ``whole``
-    dataset and writes it to the job's part file number ``part``.
+    A unit with ``part`` set holds one piece of a ``chunks`` dataset and
+    writes it to the job's part file number ``part``.
     """
 
     pieces: list[list[int]]
@@ -184,7 +191,7 @@ class Plan:
         return sum(d.offsets[file_index + 1] - d.offsets[file_index] for d in self.datasets)
 
     def to_json(self) -> str:
-        # Shallow dicts: dataclasses.asdict deep-copies every list (0.2 s for 2,000 files).
+        # Shallow dicts: dataclasses.asdict deep-copies every list, slow for large runs.
         fields = {**vars(self), "datasets": [vars(d) for d in self.datasets],
                   "copy_units": [vars(u) for u in self.copy_units]}
         return json.dumps(fields, separators=(",", ":"))

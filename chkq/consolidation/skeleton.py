@@ -16,14 +16,24 @@ time is EARLY; otherwise allocating costs a write of every chunk. So a
 raw-mode dataset that nothing else can tell apart from a new one (a single
 link, no references in the file) is recreated with EARLY allocation instead (the
 *allocation time* is then the only property that differs from the
-template, and the template's rows stay behind as unused space), and any
-other is resized in place and allocated by writing it. A recreated dataset
-is created anonymously (no staging name that could collide with one in the
-file), with the old one's attributes in their creation order and its
-comment, and linked in the old one's place; in a group that tracks link
-creation order, the links created after it are inserted again in order. The rows of a
-recreated dataset are not even copied from the template: they stay holes
-in the file, so they cost neither time nor disk.
+template), and any other is resized in place and allocated by writing it.
+A recreated dataset is created anonymously (no staging name that could
+collide with one in the file), with no rows, the old one's attributes in
+their creation order and its comment, and linked in the old one's place;
+in a group that tracks link creation order, the links created after it are
+inserted again in order. Only then is it grown to the run's rows: the old
+dataset is gone by then, and the new one's chunks take the place its rows
+held (which were never copied from the template: holes in the file), so
+the output holds its rows and the template's metadata, nothing more. Its
+chunks are allocated without the fill value being written over them (the
+copy writes every row); the fill time the template stores is then written
+back into the new dataset's object header, and the parts of edge chunks
+past the extent are made to read as the fill value (zeros).
+
+Recreating a dataset is :mod:`chkq.consolidation.recreation`'s, restoring
+its fill :mod:`chkq.consolidation.fill_restore`'s; datasets whose filters
+store the template's parameters (part files, chunk encoding) are
+:mod:`chkq.consolidation.filter_pipelines`'.
 """
 
 from __future__ import annotations
@@ -32,19 +42,22 @@ import contextlib
 import ctypes
 import errno
 import os
-import secrets
-from collections.abc import Callable
 from pathlib import Path
 
 import h5py
 import numpy as np
-from h5py import h5, h5a, h5d, h5f, h5g, h5o, h5p, h5s, h5t, h5z
+from h5py import h5d, h5o, h5s
 
-from chkq.consolidation.checkpoint_files import open_checkpoint_id, stored_chunks, walk_objects
-from chkq.consolidation.h5types import has_reference, is_variable, opaque_dtype
+from chkq.consolidation.checkpoint_files import open_checkpoint_id, stored_chunks
+from chkq.consolidation.fill_restore import Unpatchable, restore_fill_time, zero_edge_chunks
+from chkq.consolidation.h5types import is_variable, opaque_dtype
+from chkq.consolidation.recreation import (
+    holds_references,
+    recreatable,
+    recreate_early,
+    replace_links,
+)
 from chkq.consolidation.rowio import ByteCopier
-from chkq.consolidation.vlen import reclaim
-from chkq.errors import BadCheckpointError
 from chkq.rundir import CREATE, RunDir, fd_path
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
@@ -76,11 +89,6 @@ def format_bounds(template: h5py.File, datasets: list[str]) -> tuple[str, str]:
     return low, "latest"
 
 
-def header_version(bounds: tuple[str, str]) -> int:
-    """The object header version HDF5 gives objects created under ``bounds``."""
-    return 1 if bounds[0] == "earliest" else 2
-
-
 def dataset_mode(dsid: h5d.DatasetID) -> str:
     """How chkq copies an extensible dataset: ``raw``, ``chunks`` or ``whole``.
 
@@ -94,193 +102,6 @@ def dataset_mode(dsid: h5d.DatasetID) -> str:
     if dsid.get_create_plist().get_nfilters() > 0:
         return "chunks"
     return "raw"
-
-
-def copy_attributes(source: h5py.HLObject, target: h5py.HLObject) -> None:
-    """Copy every attribute of ``source`` to ``target``: same name, type, space and value.
-
-    Values move in HDF5's memory form of the attribute's own type, so nothing
-    is converted (fixed-size data as its bytes; variable-length strings and
-    sequences through HDF5's descriptors, freed after). Attributes are
-    created in the source's creation order when it tracks one.
-    """
-    order = (h5.INDEX_CRT_ORDER if source.id.get_create_plist().get_attr_creation_order()
-             else h5.INDEX_NAME)
-    for index in range(h5a.get_num_attrs(source.id)):
-        attr = h5a.open(source.id, index=index, index_type=order)
-        space = attr.get_space()
-        tid = attr.get_type()
-        new = h5a.create(target.id, attr.name, tid, space)
-        if space.get_simple_extent_type() == h5s.NULL:
-            continue
-        value = np.zeros(space.shape, dtype=opaque_dtype(tid))
-        attr.read(value, mtype=tid)
-        try:
-            new.write(value, mtype=tid)
-        finally:
-            if is_variable(tid):
-                reclaim(tid, space, value)
-
-
-Filter = tuple[int, int, tuple[int, ...]]
-
-#: The caller's parameters of filters whose "set local" step rewrites them, from the
-#: stored ones: bitshuffle and SZ/SZ3 put what they derive (versions, element size, rank
-#: and chunk shape) before them; SPERR keeps the first, packs the second (its mode for
-#: missing values) into a word of its own (bits 6 to 9) and adds the chunk shape. Tried first,
-#: so that :func:`recreation_plist` needs no failing attempt for these.
-_CALLER_PARAMETERS: dict[int, Callable[[tuple[int, ...]], tuple[int, ...]]] = {
-    32008: lambda values: values[3:],                                    # bitshuffle
-    32017: lambda values: values[2 + values[0]:] if values else values,  # SZ
-    32024: lambda values: values[2 + values[0]:] if values else values,  # SZ3
-    32028: lambda values: ((values[1], values[0] >> 6 & 0xF) if len(values) > 1  # SPERR
-                           else values),
-}
-
-
-def stored_filters(dcpl: h5p.PropDCID) -> list[Filter]:
-    """Each filter of a pipeline as stored: its id, flags and parameters (``cd_values``)."""
-    return [(int(code), int(flags), tuple(int(v) for v in values))
-            for code, flags, values, _name in (dcpl.get_filter(i)
-                                               for i in range(dcpl.get_nfilters()))]
-
-
-def _with_filters(dcpl: h5p.PropDCID, filters: list[Filter]) -> h5p.PropDCID:
-    """A copy of ``dcpl`` whose pipeline is ``filters``, in order, as the caller's parameters."""
-    copy = dcpl.copy()
-    copy.remove_filter(h5z.FILTER_ALL)
-    for code, flags, values in filters:
-        copy.set_filter(code, flags, values)
-    return copy
-
-
-def _created_filters(fid: h5f.FileID, tid: h5t.TypeID, space: h5s.SpaceID,
-                     dcpl: h5p.PropDCID) -> list[Filter] | None:
-    """The pipeline HDF5 stores for a dataset created with ``dcpl`` (None if it refuses it)."""
-    try:
-        dsid = h5d.create(fid, None, tid, space, dcpl=dcpl)
-    except (ValueError, RuntimeError, OSError, KeyError, TypeError):
-        return None
-    try:
-        return stored_filters(dsid.get_create_plist())
-    finally:
-        dsid.close()
-
-
-def _local_rest(code: int, values: tuple[int, ...]) -> tuple[int, ...]:
-    """The caller's part of a filter's stored parameters, where its set-local step is known."""
-    known = _CALLER_PARAMETERS.get(code)
-    return values if known is None else tuple(known(values))
-
-
-def _candidates(code: int, values: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Parameters that may give ``values`` once a filter's "set local" step has run on them.
-
-    The caller's part where the filter is known, then the stored values
-    themselves (most filters leave their parameters as they are), then
-    every other suffix and prefix of them (a set-local step adds what it
-    derives before or after the caller's parameters), each also followed by
-    a 0 (an option it leaves at its default and does not store).
-    """
-    found = [_local_rest(code, values), values]
-    found += [values[k:] for k in range(1, len(values) + 1)]
-    found += [values[:k] for k in range(len(values) - 1, -1, -1)]
-    found += [(*part, 0) for part in found]
-    return list(dict.fromkeys(found))
-
-
-def recreation_plist(source: h5d.DatasetID, where: str) -> h5p.PropDCID:
-    """Creation properties under which HDF5 creates a dataset whose filters are ``source``'s.
-
-    A dataset created with ``source``'s own creation properties gets its
-    filters' parameters through each filter's "set local" step again; some
-    (bitshuffle, SZ, SZ3) rewrite them there (adding versions, the element
-    size, the chunk shape before the caller's parameters), so the parameters
-    would be applied twice and chunks written under them would not decode
-    with ``source``'s. For each filter, in order, parameters are sought
-    whose "set local" result is ``source``'s stored ones, by creating
-    datasets in a file held in memory and reading back what HDF5 stored
-    (the library's own step decides, not a model of it).
-
-    Raises
-    ------
-    BadCheckpointError
-        If no such parameters are found, naming ``where`` (the dataset) and the filter.
-    """
-    dcpl = source.get_create_plist()
-    want = stored_filters(dcpl)
-    if not want:
-        return dcpl
-    fapl = h5p.create(h5p.FILE_ACCESS)
-    fapl.set_fapl_core(backing_store=False)
-    scratch = h5f.create(f"chkq-filters-{secrets.token_hex(8)}".encode(), h5f.ACC_EXCL,
-                         fapl=fapl)
-    try:
-        tid = source.get_type()
-        extent = source.get_space()
-        space = h5s.create_simple((0, *extent.shape[1:]), extent.get_simple_extent_dims(True))
-        chosen = [(code, flags, _local_rest(code, values)) for code, flags, values in want]
-        if chosen == want and _created_filters(scratch, tid, space, dcpl) == want:
-            return dcpl
-        # One filter's parameters may make HDF5 refuse the whole pipeline, hiding whether
-        # another's are right: each pass fixes what it can, until nothing changes.
-        for _ in want:
-            for index, (code, flags, values) in enumerate(want):
-                got = _created_filters(scratch, tid, space, _with_filters(dcpl, chosen))
-                if got is not None and len(got) == len(want) and got[index] == want[index]:
-                    continue
-                for candidate in _candidates(code, values):
-                    trial = [*chosen[:index], (code, flags, candidate), *chosen[index + 1:]]
-                    got = _created_filters(scratch, tid, space, _with_filters(dcpl, trial))
-                    if got is not None and len(got) == len(want) and got[index] == want[index]:
-                        chosen = trial
-                        break
-            result = _with_filters(dcpl, chosen)
-            got = _created_filters(scratch, tid, space, result)
-            if got == want:
-                return result
-        wrong = next((i for i in range(len(want)) if got is None or len(got) != len(want)
-                      or got[i] != want[i]), 0)
-        raise BadCheckpointError(
-            f"{where} uses filter {want[wrong][0]} ({filter_label(dcpl, wrong)}) with "
-            f"parameters {list(want[wrong][2])} that the installed plugin's set-local step "
-            "does not produce (another version of the plugin wrote them, or they were set "
-            "without it): chkq cannot write chunks that decode like the template's")
-    finally:
-        scratch.close()
-
-
-def filter_label(dcpl: h5p.PropDCID, index: int) -> str:
-    """The name a pipeline gives its filter ``index`` ("unnamed" if none)."""
-    label = dcpl.get_filter(index)[3]
-    text = label.decode(errors="replace") if isinstance(label, bytes) else str(label)
-    return text or "unnamed"
-
-
-def create_extensible(group: h5py.Group, name: str, source: h5py.Dataset,
-                      rows: int) -> h5py.Dataset:
-    """Create ``name`` in ``group`` like ``source`` (type, creation properties), ``rows`` long.
-
-    Used for part files, whose chunks the merge step moves into the output
-    as they are stored: so the new dataset's filters must store exactly
-    ``source``'s parameters (:func:`recreation_plist`), which is checked.
-
-    Raises
-    ------
-    BadCheckpointError
-        If the filters' parameters cannot be made ``source``'s.
-    """
-    where = f"dataset {source.name!r}"
-    dcpl = recreation_plist(source.id, where)
-    maxshape = tuple(h5s.UNLIMITED if m is None else m for m in source.maxshape)
-    space = h5s.create_simple((rows, *source.shape[1:]), maxshape)
-    dsid = h5d.create(group.id, name.encode(), source.id.get_type(), space, dcpl=dcpl)
-    got = stored_filters(dsid.get_create_plist())
-    want = stored_filters(source.id.get_create_plist())
-    if got != want:
-        raise BadCheckpointError(f"{where}: HDF5 stored the filters {got} for a copy of it, "
-                                 f"not its own {want}")
-    return h5py.Dataset(dsid)
 
 
 def chunk_offsets(dsid: h5d.DatasetID) -> list[int]:
@@ -387,109 +208,6 @@ def _stored_ranges(dsid: h5d.DatasetID) -> list[tuple[int, int]]:
     return ranges
 
 
-def _holds_references(out: h5py.File) -> bool:
-    """Whether any attribute or dataset of the file holds references (to any object).
-
-    The root's own attributes count too.
-    """
-    for name, kind in [(b".", h5o.TYPE_GROUP), *walk_objects(out.id, repr(out.filename))]:
-        obj = h5o.open(out.id, name)
-        for index in range(h5a.get_num_attrs(obj)):
-            if has_reference(h5a.open(obj, index=index).get_type()):
-                return True
-        if kind == h5o.TYPE_DATASET and has_reference(obj.get_type()):
-            return True
-    return False
-
-
-def _recreatable(dataset: h5py.Dataset, file_has_references: bool,
-                 bounds: tuple[str, str]) -> bool:
-    """Whether recreating ``dataset`` changes nothing a reader sees but its allocation time.
-
-    (Its modification time changes too, as it would by resizing it in place.)
-    A dataset whose object header has another version than the ones
-    ``bounds`` create is kept (a file may mix both).
-    """
-    info = h5o.get_info(dataset.id)
-    if file_has_references or info.rc != 1 or info.hdr.version != header_version(bounds):
-        return False
-    dcpl = dataset.id.get_create_plist()
-    fills = dcpl.get_fill_time() == h5d.FILL_TIME_ALLOC or (
-        dcpl.get_fill_time() == h5d.FILL_TIME_IFSET
-        and dcpl.fill_value_defined() == h5d.FILL_VALUE_USER_DEFINED)
-    if fills:
-        return False  # allocating writes every chunk anyway: keep the allocation time
-    # Attribute names are created ASCII-encoded (h5py cannot set their encoding).
-    return all(h5a.get_info(dataset.id, index=i).cset == h5t.CSET_ASCII
-               for i in range(h5a.get_num_attrs(dataset.id)))
-
-
-def _recreate_early(out: h5py.File, name: str, rows: int) -> h5d.DatasetID:
-    """A new, unlinked dataset identical to ``name`` but ``rows`` long, every chunk allocated.
-
-    Its attributes (in their creation order) and comment are the old
-    one's; :func:`_replace_links` links it in place of the old one.
-    """
-    old = out[name]
-    dcpl = old.id.get_create_plist()
-    dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
-    tid = old.id.get_type()
-    maxdims = old.id.get_space().get_simple_extent_dims(True)
-    space = h5s.create_simple((rows, *old.shape[1:]), maxdims)
-    dsid = h5d.create(out.id, None, tid, space, dcpl=dcpl)
-    copy_attributes(old, h5py.Dataset(dsid))
-    comment = out.id.get_comment(name.encode())
-    if comment:
-        h5o.set_comment(dsid, comment)
-    return dsid
-
-
-def _absent_name(group: h5g.GroupID) -> bytes:
-    """A link name ``group`` does not hold (the skeleton is private: it stays absent)."""
-    while True:
-        name = f".chkq-staging-{secrets.token_hex(8)}".encode()
-        if not group.links.exists(name):
-            return name
-
-
-def _creation_order(group: h5g.GroupID) -> list[bytes] | None:
-    """The names of ``group``'s links in creation order, or None if it tracks none."""
-    if not group.get_create_plist().get_link_creation_order() & h5p.CRT_ORDER_TRACKED:
-        return None
-    names: list[bytes] = []
-    group.links.iterate(names.append)
-    return sorted(names, key=lambda name: group.links.get_info(name).corder)
-
-
-def _replace_links(group: h5g.GroupID, new: dict[bytes, h5d.DatasetID]) -> None:
-    """Point each link of ``group`` that ``new`` names at its new dataset, in the same place.
-
-    HDF5 gives a link the next creation order number whenever it is
-    inserted (created, or moved, even back to its own name), so in a group
-    that tracks creation order every link created after the first one
-    replaced is inserted again, in the original order: readers that list
-    the group by creation order (h5py does) see the template's order. Each
-    link keeps its name's character set.
-    """
-    order = _creation_order(group)
-    if order is None:
-        later = list(new)
-    else:
-        first = min(i for i, name in enumerate(order) if name in new)
-        later = order[first:]
-    staging: bytes | None = None
-    for name in later:
-        lcpl = h5p.create(h5p.LINK_CREATE)
-        lcpl.set_char_encoding(group.links.get_info(name).cset)
-        if name in new:
-            group.unlink(name)
-            h5o.link(new[name], group, name, lcpl=lcpl)
-        else:
-            staging = staging or _absent_name(group)
-            group.links.move(name, group, staging, lcpl=lcpl)
-            group.links.move(staging, group, name, lcpl=lcpl)
-
-
 def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
     """Make HDF5 allocate every chunk of a dataset by writing zero bytes over all its rows."""
     shape = dsid.shape
@@ -538,10 +256,10 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         If ``temp`` exists (or is a symbolic link).
     """
     with h5py.File(open_checkpoint_id(reference, template)) as source:
-        has_references = _holds_references(source) if raw else False
+        has_references = holds_references(source) if raw else False
         bounds = format_bounds(source, sorted(raw))
         recreated = {name for name in raw
-                     if _recreatable(source[name], has_references, bounds)}
+                     if recreatable(source[name], has_references, bounds)}
         skip = [r for name in recreated for r in _stored_ranges(source[name].id)]
         row_bytes = {name: source[name].id.get_type().get_size()
                      * int(np.prod(source[name].shape[1:], dtype=np.int64)) for name in rows}
@@ -560,24 +278,82 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
 
 def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
             bounds: tuple[str, str]) -> dict[str, list[int]]:
-    """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``."""
+    """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``.
+
+    Recreated datasets whose template writes the fill value when their
+    chunks are allocated (at most the default fill of zeros:
+    :func:`chkq.consolidation.recreation.recreatable`) are allocated
+    without it, their fill time then restored in their object headers
+    (:func:`chkq.consolidation.fill_restore.restore_fill_time`); their rows
+    are all written by the copy, and the rest reads as zeros
+    (:func:`chkq.consolidation.fill_restore.zero_edge_chunks`). Should a
+    header not allow that, the dataset is recreated again, allocated with
+    the fill written.
+    """
     layout: dict[str, list[int]] = {}
+    restore: dict[str, int] = {}
+    edges: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
     with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
+        base = out.userblock_size
+        sizes = out.id.get_create_plist().get_sizes()
         replaced: dict[str, dict[bytes, h5d.DatasetID]] = {}
+        grown: dict[str, tuple[h5d.DatasetID, int]] = {}
         for name, total in rows.items():
-            dataset = out[name]
             if name in recreated:
-                dsid = _recreate_early(out, name, total)
+                fill_time = out[name].id.get_create_plist().get_fill_time()
+                dsid = recreate_early(out, name, 0, h5d.FILL_TIME_NEVER)
+                if fill_time != h5d.FILL_TIME_NEVER:
+                    restore[name] = fill_time
                 parent, _, leaf = name.rpartition("/")
                 replaced.setdefault(parent or "/", {})[leaf.encode()] = dsid
-            else:
-                dsid = dataset.id
-                dataset.resize(total, axis=0)
-                early = dsid.get_create_plist().get_alloc_time() == h5d.ALLOC_TIME_EARLY
-                if name in raw and not early:
-                    _allocate_by_writing(dsid)
+                grown[name] = (dsid, total)
+                continue
+            dsid = out[name].id
+            h5py.Dataset(dsid).resize(total, axis=0)
+            early = dsid.get_create_plist().get_alloc_time() == h5d.ALLOC_TIME_EARLY
+            if name in raw and not early:
+                _allocate_by_writing(dsid)
             if name in raw:
                 layout[name] = chunk_offsets(dsid)
         for parent, new in replaced.items():
-            _replace_links(out[parent].id, new)
+            replace_links(out[parent].id, new)
+        # The old datasets are gone, their chunks free: the new ones' chunks take their place.
+        for name, (dsid, total) in grown.items():
+            dsid.set_extent((total, *dsid.shape[1:]))
+            layout[name] = chunk_offsets(dsid)
+            if name in restore:
+                chunk = dsid.get_create_plist().get_chunk()
+                edges[name] = (chunk, dsid.shape, dsid.get_type().get_size()
+                               * int(np.prod(chunk, dtype=np.int64)))
+        addresses = {name: h5o.get_info(out[name].id).addr for name in restore}
+    refused: dict[str, int] = {}
+    if restore:
+        readable = os.open(fd_path(fd), os.O_RDWR | os.O_CLOEXEC)  # ``fd`` is write-only
+        try:
+            for name, fill_time in restore.items():
+                try:
+                    restore_fill_time(readable, base, addresses[name], sizes, fill_time)
+                except Unpatchable:
+                    refused[name] = fill_time
+        finally:
+            os.close(readable)
+    if refused:
+        _recreate_filled(fd, refused, bounds, layout)
+    for name, (chunk, shape, size) in edges.items():
+        if name not in refused:
+            zero_edge_chunks(fd, chunk, shape, size, layout[name])
     return layout
+
+
+def _recreate_filled(fd: int, fill_times: dict[str, int], bounds: tuple[str, str],
+                     layout: dict[str, list[int]]) -> None:
+    """Recreate each dataset ``fill_times`` names with that fill time, HDF5 writing the fill."""
+    with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
+        replaced: dict[str, dict[bytes, h5d.DatasetID]] = {}
+        for name, fill_time in fill_times.items():
+            dsid = recreate_early(out, name, out[name].shape[0], fill_time)
+            parent, _, leaf = name.rpartition("/")
+            replaced.setdefault(parent or "/", {})[leaf.encode()] = dsid
+            layout[name] = chunk_offsets(dsid)
+        for parent, new in replaced.items():
+            replace_links(out[parent].id, new)

@@ -56,6 +56,15 @@ class JobFiles:
         """The output while it is written and verified."""
         return self.out_dir / f"{self.prefix}.h5.tmp"
 
+    @property
+    def pipeline(self) -> Path:
+        """Where planning copies a template's dataset to take its pipeline (removed after)."""
+        return self.out_dir / f"{self.prefix}.pipeline.h5.tmp"
+
+    def journal_path(self) -> Path:
+        """The undo journal of the merge piece under way (:mod:`chkq.consolidation.merge`)."""
+        return self.out_dir / f"{self.prefix}.merge-journal"
+
     def part(self, unit: int) -> Path:
         """Part file written by copy unit ``unit`` for a dataset HDF5 must encode."""
         return self.out_dir / f"{self.prefix}.part{unit:05d}.h5"

@@ -11,6 +11,7 @@ the name of the object they point to.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,7 +250,8 @@ def verify_files(
                                          h5py.Dataset(outputs[i]), h5py.Dataset(dsid), path)
                     elif i in windows:
                         _compare_plain(d, dsid, *windows.get(i, start, end), start, end, path)
-                    else:
+                    elif not _heap_rows_match(plan, d, (fid, dsid, fd),
+                                              (out, outputs[i], out_fd), start, end, path):
                         if high_level is None:
                             high_level = h5py.File(fd_path(out_fd), "r")
                         _compare_objects(plan, d, h5py.Dataset(dsid), high_level[d.name],
@@ -405,11 +407,48 @@ def _compare_stored(d: DatasetPlan, base: int, a: int, b: int, output: h5d.Datas
     return True
 
 
+def _heap_rows_match(plan: Plan, d: DatasetPlan, source: tuple[h5f.FileID, h5d.DatasetID, int],
+                     output: tuple[h5f.FileID, h5d.DatasetID, int], start: int, end: int,
+                     path: object) -> bool:
+    """Whether one file's output rows of a variable-length dataset are its rows as stored.
+
+    Block by block, :func:`chkq.consolidation.vlen.same_heap_rows` (``source``
+    and ``output``: file id, dataset id, descriptor); rows the file lacks
+    (records of its dimension) must read as its fill value. False as soon
+    as a block is not (the caller compares the rows through HDF5, which
+    names the first that differs).
+    """
+    dsid = source[1]
+    stored = min(end - start, dsid.shape[0])
+    step = min(65536, block_rows(d.row_bytes, plan.block_bytes // 2))
+    for lo in range(0, stored, step):
+        n = min(step, stored - lo)
+        if not vlen.same_heap_rows(*source, lo, *output, start + lo, n):
+            return False
+    if stored < end - start:
+        _compare_string_fill(d, h5py.Dataset(output[1]), start + stored, end,
+                             vlen.string_fill(dsid), step, path)
+    return True
+
+
 def _compare_objects(plan: Plan, d: DatasetPlan, source: h5py.Dataset, output: h5py.Dataset,
                      start: int, end: int, path: object) -> None:
     """Compare rows of variable-length data element by element, through h5py."""
     step = min(65536, block_rows(d.row_bytes, plan.block_bytes // 2))
     tid = output.id.get_type()
+    stored = min(end - start, source.shape[0])
+    if stored < end - start:
+        _compare_string_fill(d, output, start + stored, end, vlen.string_fill(source.id), step,
+                             path)
+        end = start + stored
+    if vlen.is_vlen_string(tid):
+        for lo in range(0, end - start, step):
+            hi = min(end - start, lo + step)
+            bad = vlen.first_string_difference(source.id, lo, output.id, start + lo, hi - lo)
+            if bad is not None:
+                per_row = max(1, math.prod(d.trailing))
+                _mismatch(d, start + lo + bad // per_row, lo + bad // per_row, path)
+        return
     if vlen.byte_comparable(tid):
         for lo in range(0, end - start, step):
             hi = min(end - start, lo + step)
@@ -430,6 +469,22 @@ def _compare_objects(plan: Plan, d: DatasetPlan, source: h5py.Dataset, output: h
         bad = first_difference(expected, actual)
         if bad is not None:
             _mismatch(d, start + lo + bad, lo + bad, path)
+
+
+def _compare_string_fill(d: DatasetPlan, output: h5py.Dataset, first: int, end: int,
+                         fill: bytes, step: int, path: object) -> None:
+    """Output rows ``[first, end)``, records a file's string dataset lacked: each is ``fill``."""
+    tid = output.id.get_type()
+    for lo in range(first, end, step):
+        hi = min(end, lo + step)
+        with vlen.read_rows(output.id, lo, hi - lo, tid) as rows:
+            values = vlen.element_values(rows, tid)
+        per_row = max(1, len(values) // max(hi - lo, 1))
+        bad = next((i for i, v in enumerate(values) if v != fill), None)
+        if bad is not None:
+            raise OutputMismatchError(
+                f"row {lo + bad // per_row} of dataset {d.name!r} in the output, a record "
+                f"checkpoint file {str(path)!r} lacks, is not its fill value {fill!r}")
 
 
 def comparable(rows: np.ndarray, file: h5py.File) -> np.ndarray:

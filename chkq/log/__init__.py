@@ -3,10 +3,14 @@
 One run's checkpoints live under ``runs/<run>/`` in a store; each is
 identified by the SHA-256 of its bytes.  The package is cut by job:
 
-- :mod:`chkq.log.records`: the stored objects (records, name entries, output
-  entries), their format versions and the validation of everything read back;
+- :mod:`chkq.log.records`: the stored objects (records, output entries), their
+  format versions and the validation of everything read back;
+- :mod:`chkq.log.names`: name entries, and how a name's entries decide its content;
 - :mod:`chkq.log.keys`: a run's key layout and the one parser of its keys;
-- :mod:`chkq.log.checkpoint_log`: :class:`CheckpointLog`, commit and load;
+- :mod:`chkq.log.reader`: :class:`LogReader`, every validated read of a run
+  (what gc and verify use);
+- :mod:`chkq.log.checkpoint_log`: :class:`CheckpointLog`, a reader that also
+  commits and loads;
 - :mod:`chkq.log.gc`: garbage collection, with its argument that no
   interleaving with commits deletes a recorded payload;
 - :mod:`chkq.log.verify`: the read-only check of a whole run;
@@ -18,12 +22,13 @@ following links) is :mod:`chkq.log.transfer`.
 """
 
 from chkq.log.checkpoint_log import DEFAULT_CACHE_BYTES, DEFAULT_GC_AGE, CheckpointLog
+from chkq.log.names import NameEntry
+from chkq.log.reader import LogReader
 from chkq.log.records import (
     LOG_FORMAT,
     MAX_CHECKPOINT_ENV,
     RECORD_FORMAT,
     CheckpointRecord,
-    NameEntry,
     OutputEntry,
     check_output_model,
     check_relative_name,
@@ -46,6 +51,7 @@ __all__ = [
     "RECORD_FORMAT",
     "CheckpointLog",
     "CheckpointRecord",
+    "LogReader",
     "LogTrust",
     "NameEntry",
     "OutputEntry",

@@ -58,90 +58,69 @@ the history keeps only one full copy per *head* beyond the keyframes.  The
 copy is a cache, never a record's payload: it can be deleted at any time and
 a load falls back to the chain.  Because a load prefers the copy, damage to
 a head's chain can hide behind it: :meth:`CheckpointLog.verify` decodes
-chains without head copies.  This was chosen over the alternatives after
-measuring them for 64 MiB checkpoints with 1 % scattered changes: deltas
-against the last keyframe load fast but grow by about 1 % per step (16 % at
-depth 16, breaking the 2 % bar), and FSFS-style skip-deltas still need about
-log2(depth) decodes per load and store deltas spanning up to 2^k steps.
+chains without head copies.
 
 A bounded LRU cache of verified checkpoint bytes makes committing N+1 right
 after N (or loading a recent ancestor) free of store reads.
 
 Outputs
 -------
-A model's checkpoints consolidated into one HDF5 file are history too: the
-file is published create-if-absent (by default at ``outputs/<MODEL>.h5``)
-and then recorded by :meth:`CheckpointLog.record_output` in an output entry,
-``outputs/<MODEL>.json``, written once like every other object of the log
-and signed like name entries.  One entry per model: recording another output
-of a model that has one is refused, recording the same one again (a
-redelivered task) returns the entry already there.  Outputs are read as
-untrusted too (:meth:`CheckpointLog.output`), and their bytes only in pieces
-checked against the entry's size and SHA-256 (:meth:`CheckpointLog.read_output`).
-gc never touches ``outputs/``, and an output does not keep any payload alive:
-the checkpoints it was made from are governed by their records alone.
+A model's consolidated file is recorded by :meth:`CheckpointLog.record_output`
+in an output entry, written once and signed like name entries (see
+:mod:`chkq.log.records`); gc never touches ``outputs/``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import stat
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, Literal
 
 from chkq.errors import (
     CheckpointCorruptionError,
-    CheckpointNotFoundError,
     LogKeyError,
     OutputCorruptionError,
     OutputEntryError,
     OutputExistsError,
-    SymlinkInStoreError,
     UnknownParentError,
 )
 from chkq.log import delta as codec
 from chkq.log import gc as _gc
 from chkq.log import verify as _verify
-from chkq.log.keys import RunKeys
+from chkq.log.names import NameEntry, newest
+from chkq.log.reader import OUTPUT_PIECE_BYTES, LogReader
 from chkq.log.records import (
     MAX_CHECKPOINT_ENV,
-    MAX_OBJECT_BYTES,
     MAX_OUTPUT_ENTRY_BYTES,
     CheckpointRecord,
-    NameEntry,
     OutputEntry,
     check_relative_name,
     checkpoint_id,
-    choose_entries,
-    corruption_reason,
     default_writer,
-    max_checkpoint_bytes,
-    validate_run_id,
 )
+from chkq.log.seen import SeenNames
 from chkq.log.signing import LogTrust
 from chkq.log.verify import ProgressCallback, VerifyReport
 from chkq.lru import LRU
-from chkq.stores.base import CheckpointStore, InvalidKeyError, validate_key
+from chkq.stores.base import CheckpointStore
 
-__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_GC_AGE", "CheckpointLog"]
+__all__ = ["DEFAULT_CACHE_BYTES", "DEFAULT_GC_AGE", "OUTPUT_PIECE_BYTES", "CheckpointLog"]
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 DEFAULT_CACHE_BYTES = 512 * MiB
-OUTPUT_PIECE_BYTES = 8 * MiB
-"""Bytes of an output object read per request by :meth:`CheckpointLog.read_output`."""
 DEFAULT_GC_AGE = 24 * 3600.0
 """Default age (s) below which ``gc`` leaves unreferenced payloads alone."""
 
 
-class CheckpointLog:
+class CheckpointLog(LogReader):
     """One run's checkpoints in a store, as a write-once, content-addressed log.
 
     Parameters
@@ -164,6 +143,9 @@ class CheckpointLog:
         Largest checkpoint committed or read, in bytes; default
         ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` (4 GiB). A record declaring more is
         refused, and no payload is decompressed beyond its record's size.
+    seen
+        Where this reader keeps the newest entry it saw of each name (see
+        :mod:`chkq.log.seen`); None keeps nothing.
     """
 
     def __init__(
@@ -176,37 +158,16 @@ class CheckpointLog:
         head_copies: bool = True,
         trust: LogTrust | None = None,
         max_checkpoint: int | None = None,
+        seen: SeenNames | None = None,
     ) -> None:
         if max_chain < 0:
             raise ValueError(f"max_chain must be >= 0, got {max_chain}")
-        self.store = store
-        self.run_id = validate_run_id(run_id)
+        super().__init__(store, run_id, trust=trust, max_checkpoint=max_checkpoint, seen=seen)
         self.max_chain = max_chain
         self.head_copies = head_copies
-        self.trust = LogTrust.from_env() if trust is None else trust
-        self.max_checkpoint = max_checkpoint_bytes() if max_checkpoint is None \
-            else max_checkpoint
-        self.keys = RunKeys(self.run_id)
-        """The run's key layout (:mod:`chkq.log.keys`)."""
-        self._root = self.keys.root
         self._cache: LRU[str, bytes] = LRU(cache_bytes, len)
-        self._records: dict[str, CheckpointRecord] = {}
-        self.malformed: dict[str, str] = {}
-        """Store keys of records and entries that could not be read, with why
-        (filled by :meth:`manifest` and :meth:`entries`)."""
-        self.conflicts: dict[str, list[NameEntry]] = {}
-        """Names whose entries name different checkpoints and no trusted key
-        decides between them (filled by :meth:`files`), oldest entry first."""
 
-    def __repr__(self) -> str:
-        return f"CheckpointLog({self.store!r}, {self.run_id!r})"
-
-    # keys ---------------------------------------------------------------
-
-    @property
-    def root(self) -> str:
-        """Key prefix of everything of this run: ``runs/<run>/``."""
-        return self._root
+    # keys: the same as :attr:`keys` (:class:`~chkq.log.keys.RunKeys`), kept for callers
 
     def record_key(self, checkpoint: str) -> str:
         """Store key of a checkpoint's record."""
@@ -221,8 +182,8 @@ class CheckpointLog:
         return self.keys.head_copy(checkpoint)
 
     def entry_key(self, entry: NameEntry) -> str:
-        """Store key of a name entry, derived from its content."""
-        return self.keys.entry(entry.digest())
+        """Store key of a name entry (:meth:`entry_key_of`)."""
+        return self.entry_key_of(entry)
 
     def trash_key(self, payload_key: str) -> str:
         """Where gc keeps a payload it is removing until the removal is settled."""
@@ -236,441 +197,12 @@ class CheckpointLog:
         """Default store key of ``model``'s consolidated output object."""
         return self.keys.output(model)
 
-    def _list(self, prefix: str) -> list[str]:
-        """The store's keys under ``prefix``; a link in the way is noted in
-        :attr:`malformed` (under the prefix) and lists nothing."""
-        try:
-            keys = self.store.list(prefix)
-        except SymlinkInStoreError as exc:
-            self.malformed[prefix] = f"not listed: {exc}"
-            return []
-        self.malformed.pop(prefix, None)
-        return keys
-
-    # signing ------------------------------------------------------------
-
     def _signed(self, raw: bytes, kind: str) -> bytes:
         """``raw`` (a record's or entry's JSON) with a signature, if this log signs."""
         if self.trust.signer is None:
             return raw
         obj = self.trust.sign(json.loads(raw), kind, self.run_id)
         return (json.dumps(obj, indent=1) + "\n").encode()
-
-    def _refusal(self, raw: bytes, kind: str) -> str | None:
-        """Why a parsed, well-formed object must not be used (signature), or None."""
-        if not self.trust.enforcing:
-            return None
-        return self.trust.refusal(json.loads(raw), kind, self.run_id)
-
-    # reading ------------------------------------------------------------
-
-    def exists(self) -> bool:
-        """Whether the store holds anything of this run (records first: the common case)."""
-        return bool(self._list(self.keys.group("records")) or self.store.list(self._root))
-
-    def _fetch_record(self, checkpoint: str) -> CheckpointRecord | None:
-        cached = self._records.get(checkpoint)
-        if cached is not None:
-            return cached
-        key = self.record_key(checkpoint)
-        try:
-            raw = self.store.get_at_most(key, MAX_OBJECT_BYTES)
-        except KeyError:
-            return None
-        try:
-            record = CheckpointRecord.from_json(raw)
-        except (ValueError, TypeError) as exc:
-            raise self._corruption(checkpoint, key, f"malformed record: {exc}") from exc
-        refused = self._refusal(raw, "record")
-        if refused is not None:
-            raise self._corruption(checkpoint, key, f"record refused: {refused}")
-        if record.full_size > self.max_checkpoint:
-            raise self._corruption(
-                checkpoint, key, f"record refused: it declares {record.full_size} bytes, above "
-                f"the {self.max_checkpoint}-byte limit ({MAX_CHECKPOINT_ENV})")
-        if record.id != checkpoint:
-            raise self._corruption(checkpoint, key,
-                                   f"malformed record: it names checkpoint {record.id}")
-        if record.payload != self.payload_key(record.id, record.kind, record.base):
-            raise self._corruption(checkpoint, key,
-                                   f"malformed record: payload key {record.payload!r} is not "
-                                   "the one its content gives")
-        self._records[checkpoint] = record
-        return record
-
-    def _read_record(self, checkpoint: str) -> CheckpointRecord | None:
-        """:meth:`_fetch_record`, noting a malformed record instead of raising."""
-        try:
-            return self._fetch_record(checkpoint)
-        except CheckpointCorruptionError as exc:
-            self.malformed[self.record_key(checkpoint)] = corruption_reason(exc)
-            return None
-
-    def record(self, checkpoint: str) -> CheckpointRecord:
-        """Return the record of ``checkpoint``.
-
-        Raises
-        ------
-        KeyError
-            If the run has no such checkpoint.
-        CheckpointCorruptionError
-            If its record is malformed.
-        """
-        try:
-            validate_key(checkpoint)
-        except InvalidKeyError:
-            raise CheckpointNotFoundError(checkpoint) from None
-        record = self._fetch_record(checkpoint)
-        if record is None:
-            raise CheckpointNotFoundError(checkpoint)
-        return record
-
-    def __contains__(self, checkpoint: object) -> bool:
-        if not isinstance(checkpoint, str):
-            return False
-        try:
-            self.record(checkpoint)
-        except KeyError:
-            return False
-        return True
-
-    def ids(self) -> list[str]:
-        """Ids of every checkpoint in the run (sorted by id, not by age)."""
-        found = (self.keys.record_id(key) for key in self._list(self.keys.group("records")))
-        return [ident for ident in found if ident is not None]
-
-    def manifest(self) -> list[CheckpointRecord]:
-        """Every readable checkpoint's record, oldest first.
-
-        Malformed records are left out and noted in :attr:`malformed`.
-        """
-        prefix = self.keys.group("records")
-        for key in list(self.malformed):
-            if key.startswith(prefix) and key != prefix:
-                del self.malformed[key]
-        ids = self.ids()
-        missing = [i for i in ids if i not in self._records]
-        if len(missing) > 8:
-            with ThreadPoolExecutor(8) as pool:
-                list(pool.map(self._read_record, missing))
-        records = [r for r in map(self._read_record, ids) if r is not None]
-        return sorted(records, key=lambda r: (r.created, r.id))
-
-    def __iter__(self) -> Iterator[CheckpointRecord]:
-        return iter(self.manifest())
-
-    def __len__(self) -> int:
-        return len(self.ids())
-
-    def _read_entry(self, key: str) -> NameEntry | None:
-        try:
-            raw = self.store.get_at_most(key, MAX_OBJECT_BYTES)
-        except KeyError:
-            return None
-        try:
-            entry = NameEntry.from_json(raw)
-        except (ValueError, TypeError) as exc:
-            self.malformed[key] = f"malformed name entry: {exc}"
-            return None
-        refused = self._refusal(raw, "name")
-        if refused is not None:
-            self.malformed[key] = f"name entry refused: {refused}"
-            return None
-        if key != self.entry_key(entry):
-            self.malformed[key] = "malformed name entry: its key is not the one its content gives"
-            return None
-        return entry
-
-    def entries(self, records: list[CheckpointRecord] | None = None) -> list[NameEntry]:
-        """Every readable name entry of the run, oldest first.
-
-        Format-1 records that carry ``meta.name`` count as entries too
-        (``legacy``), unless a format-2 entry says the same.  Malformed
-        entries are left out and noted in :attr:`malformed`.
-
-        Parameters
-        ----------
-        records
-            The run's manifest, if the caller already has it.
-        """
-        prefix = self.keys.group("names")
-        for key in list(self.malformed):
-            if key.startswith(prefix) and key != prefix:
-                del self.malformed[key]
-        keys = [k for k in self._list(prefix) if k.endswith(".json")]
-        if len(keys) > 8:
-            with ThreadPoolExecutor(8) as pool:
-                found = list(pool.map(self._read_entry, keys))
-        else:
-            found = [self._read_entry(k) for k in keys]
-        entries = [e for e in found if e is not None]
-        seen = {(e.name, e.id) for e in entries}
-        for record in self.manifest() if records is None else records:
-            name = record.meta.get("name") if record.format < 2 else None
-            if not isinstance(name, str) or (name, record.id) in seen:
-                continue
-            try:
-                check_relative_name(name)
-            except ValueError as exc:
-                self.malformed[self.record_key(record.id)] = f"malformed record: {exc}"
-                continue
-            model = record.meta.get("model")
-            entries.append(NameEntry(
-                name=name, id=record.id, model=model if isinstance(model, str) else None,
-                step=record.step, label=record.label, created=record.created, legacy=True))
-        return sorted(entries, key=lambda e: (e.created, e.name, e.id))
-
-    def files(self, model: str | None = None,
-              records: list[CheckpointRecord] | None = None) -> dict[str, NameEntry]:
-        """The run's files (``model``: only that model's), each name with the entry it restores.
-
-        A name whose entries all name one checkpoint gets its latest entry.
-        When they name different checkpoints, trusted signatures decide: with
-        trusted keys every entry read is a trusted writer's and the latest
-        one is the name's content; without, any tenant of the store could
-        have written any of them with any creation time, so the name is left
-        out and kept in :attr:`conflicts` (restore refuses it, verify reports it).
-        """
-        by_name: dict[str, list[NameEntry]] = {}
-        for entry in self.entries(records):
-            if model is None or entry.model_matches(model):
-                by_name.setdefault(entry.name, []).append(entry)
-        chosen, self.conflicts = choose_entries(by_name, decided=self.trust.enforcing)
-        return dict(sorted(chosen.items()))
-
-    # outputs ------------------------------------------------------------
-
-    def _parse_output(self, key: str, raw: bytes) -> OutputEntry:
-        """The output entry ``raw`` read from ``key``, checked as untrusted content.
-
-        Raises
-        ------
-        OutputEntryError
-            Naming ``key``: malformed, refused for its signature, or filed
-            under another model's key.
-        """
-        try:
-            entry = OutputEntry.from_json(raw)
-        except (ValueError, TypeError) as exc:
-            raise self._output_error(key, f"malformed output entry: {exc}") from None
-        refused = self._refusal(raw, "output")
-        if refused is not None:
-            raise self._output_error(key, f"output entry refused: {refused}")
-        if key != self.keys.output_entry(entry.model):
-            raise self._output_error(key, f"malformed output entry: it records model "
-                                     f"{entry.model!r}, whose entry is not this key")
-        return entry
-
-    def _output_error(self, key: str, why: str) -> OutputEntryError:
-        error = OutputEntryError(f"run {self.run_id!r} in {self.store.url}: {key}: {why}")
-        error.key = key  # type: ignore[attr-defined]
-        error.why = why  # type: ignore[attr-defined]
-        return error
-
-    def _read_output(self, key: str) -> OutputEntry | None:
-        """The entry at ``key`` (None if there is none); OutputEntryError if it is unusable."""
-        try:
-            raw = self.store.get_at_most(key, MAX_OUTPUT_ENTRY_BYTES)
-        except KeyError:
-            return None
-        except SymlinkInStoreError as exc:
-            raise self._output_error(key, f"not read: {exc}") from None
-        if len(raw) > MAX_OUTPUT_ENTRY_BYTES:
-            raise self._output_error(key, f"malformed output entry: larger than "
-                                     f"{MAX_OUTPUT_ENTRY_BYTES} bytes")
-        return self._parse_output(key, raw)
-
-    def output(self, model: str) -> OutputEntry | None:
-        """The recorded consolidated output of ``model``, or None if there is none.
-
-        Raises
-        ------
-        OutputEntryError
-            If the entry at the model's key is malformed or (with trusted
-            log keys) not signed by a trusted writer; the message names the key.
-        BadNameError
-            If ``model`` cannot name an output.
-        """
-        return self._read_output(self.keys.output_entry(model))
-
-    def outputs(self) -> list[OutputEntry]:
-        """Every readable output entry of the run, by model.
-
-        Unusable entries are left out and noted in :attr:`malformed`, like
-        malformed records and name entries.
-        """
-        prefix = self.keys.group("outputs")
-        for key in list(self.malformed):
-            if key.startswith(prefix) and key != prefix:
-                del self.malformed[key]
-        found = []
-        for key in self._list(prefix):
-            if self.keys.output_entry_model(key) is None:
-                continue
-            try:
-                entry = self._read_output(key)
-            except OutputEntryError as exc:
-                self.malformed[key] = str(getattr(exc, "why", exc))
-                continue
-            if entry is not None:
-                found.append(entry)
-        return sorted(found, key=lambda e: e.model)
-
-    def record_output(self, entry: OutputEntry) -> OutputEntry:
-        """Record a published consolidated output, create-if-absent; return the stored entry.
-
-        The output object must already be in the store at ``entry.key`` with
-        ``entry.size`` bytes (its SHA-256 is the caller's word: it hashed the
-        bytes it published), and every checkpoint it names must be one of
-        the run's.  ``created`` and ``writer`` are filled in when unset.
-
-        Returns
-        -------
-        OutputEntry
-            The entry written, or the one already recorded if it records the
-            same output (:meth:`OutputEntry.same_output`: a redelivered or
-            repeated record), whoever wrote it.
-
-        Raises
-        ------
-        OutputExistsError
-            If the model already has an entry recording another output, or an
-            unusable one; the message names the entry's key and the recorded
-            output's key. Nothing is replaced.
-        OutputCorruptionError
-            If the output object is missing or not ``entry.size`` bytes.
-        UnknownParentError
-            If a checkpoint the entry names is not in the run.
-        LogKeyError
-            If trusted log keys are configured but no signing key.
-        """
-        if self.trust.enforcing and self.trust.signer is None:
-            raise LogKeyError(
-                "trusted log keys are configured (CHKQ_LOG_TRUSTED_KEYS) but no signing key "
-                "(CHKQ_LOG_SIGNING_KEY): the output entry would be refused by every reader; "
-                f"not recording the output of model {entry.model!r} in run {self.run_id!r}")
-        final = replace(entry, created=entry.created or time.time(),
-                        writer=entry.writer or default_writer())
-        key = self.keys.output_entry(final.model)
-        raw = self._signed(final.to_json(), "output")
-        if len(raw) > MAX_OUTPUT_ENTRY_BYTES:
-            raise ValueError(f"output entry of model {final.model!r} would be {len(raw)} bytes, "
-                             f"above the {MAX_OUTPUT_ENTRY_BYTES} a reader takes")
-        known = set(self.ids())
-        unknown = [c for c in dict.fromkeys(final.checkpoints) if c not in known]
-        if unknown:
-            raise UnknownParentError(
-                f"output of model {final.model!r} names {len(unknown)} checkpoint(s) that are "
-                f"not in run {self.run_id!r} (first: {unknown[0]}); not recorded")
-        try:
-            size = self.store.size(final.key)
-        except KeyError:
-            raise OutputCorruptionError(
-                f"output object {final.key} of model {final.model!r} is not in "
-                f"{self.store.url}; publish it before recording it") from None
-        if size != final.size:
-            raise OutputCorruptionError(
-                f"output object {final.key} of model {final.model!r} is {size} bytes, not the "
-                f"{final.size} its entry would say; not recorded")
-        for _ in range(3):
-            if self.store.put_if_absent(key, raw):
-                return final
-            try:
-                existing = self._read_output(key)
-            except OutputEntryError as exc:
-                raise OutputExistsError(
-                    f"output entry {key} exists but cannot be used "
-                    f"({getattr(exc, 'why', exc)}); not replaced: remove it to record the "
-                    f"output {final.key} of model {final.model!r}") from None
-            if existing is None:
-                continue
-            if existing.same_output(final):
-                return existing
-            raise OutputExistsError(
-                f"output entry {key} already records another output of model "
-                f"{final.model!r}: {existing.key} ({existing.size} bytes, sha256 "
-                f"{existing.sha256[:16]}, job {existing.job or '?'}); not replaced, so "
-                f"{final.key} is not recorded")
-        raise OutputExistsError(f"output entry {key} keeps vanishing while it is recorded")
-
-    def read_output(self, entry: OutputEntry, piece: int = OUTPUT_PIECE_BYTES
-                    ) -> Iterator[bytes]:
-        """The bytes of a recorded output object, in pieces of at most ``piece`` bytes.
-
-        Each piece is one ranged read (:meth:`CheckpointStore.get_range`), so
-        memory holds one piece whatever the file's size.  The whole object is
-        checked against the entry — no more and no fewer than ``entry.size``
-        bytes, and their SHA-256 — only when the last piece has been read:
-        what a consumer got is verified only once the iterator finishes
-        without an error.
-
-        Raises
-        ------
-        OutputCorruptionError
-            If the object is missing, shorter or longer than its entry says,
-            or its SHA-256 is not the entry's; the message names its key.
-        """
-        if piece <= 0:
-            raise ValueError(f"piece must be positive, got {piece}")
-
-        def bad(why: str) -> OutputCorruptionError:
-            error = OutputCorruptionError(
-                f"output of model {entry.model!r} of run {self.run_id!r} in "
-                f"{self.store.url}: {entry.key}: {why}")
-            error.key = entry.key  # type: ignore[attr-defined]
-            error.why = why  # type: ignore[attr-defined]
-            return error
-
-        digest = hashlib.sha256()
-        done = 0
-        try:
-            while done < entry.size:
-                block = self.store.get_range(entry.key, done, min(piece, entry.size - done))
-                if not block:
-                    raise bad(f"object is {done} bytes, its entry says {entry.size}")
-                digest.update(block)
-                done += len(block)
-                yield block
-            if self.store.get_range(entry.key, entry.size, 1):
-                raise bad(f"object is larger than the {entry.size} bytes its entry says")
-        except KeyError:
-            raise bad("output object missing") from None
-        if digest.hexdigest() != entry.sha256:
-            raise bad(f"object's SHA-256 {digest.hexdigest()[:16]}... is not its entry's "
-                      f"{entry.sha256[:16]}... (changed or damaged since it was recorded)")
-
-    def outputs_of(self, checkpoint: str) -> list[tuple[OutputEntry, int]]:
-        """The outputs made from ``checkpoint``, each with its first position in the entry."""
-        return [(entry, entry.checkpoints.index(checkpoint)) for entry in self.outputs()
-                if checkpoint in entry.checkpoints]
-
-    def lineage(self, checkpoint: str) -> list[CheckpointRecord]:
-        """Records from the root ancestor down to ``checkpoint`` (parent links)."""
-        chain = [self.record(checkpoint)]
-        seen = {checkpoint}
-        while chain[-1].parent is not None:
-            parent = chain[-1].parent
-            if parent in seen:
-                raise self._corruption(checkpoint, self.record_key(parent), "parent cycle")
-            seen.add(parent)
-            try:
-                chain.append(self.record(parent))
-            except KeyError:
-                raise self._corruption(
-                    chain[-1].id, self.record_key(parent), "parent record missing"
-                ) from None
-        return chain[::-1]
-
-    def children(self, checkpoint: str) -> list[CheckpointRecord]:
-        """Records committed or forked on ``checkpoint``, oldest first."""
-        self.record(checkpoint)
-        return [r for r in self.manifest() if r.parent == checkpoint]
-
-    def heads(self) -> list[CheckpointRecord]:
-        """Tips: records nothing was committed on, oldest first."""
-        records = self.manifest()
-        parents = {r.parent for r in records}
-        return [r for r in records if r.id not in parents]
 
     def load(self, checkpoint: str) -> bytes:
         """Return the verified bytes of ``checkpoint``.
@@ -696,7 +228,7 @@ class CheckpointLog:
         return self._rebuild(record)
 
     def _load_head_copy(self, record: CheckpointRecord) -> bytes | None:
-        key = self.head_copy_key(record.id)
+        key = self.keys.head_copy(record.id)
         try:
             raw = self.store.get_at_most(key, codec.compress_bound(record.full_size))
         except KeyError:
@@ -722,64 +254,25 @@ class CheckpointLog:
             if data is not None:
                 break
             if base in seen:
-                raise self._corruption(record.id, chain[-1].payload, "delta chain has a cycle")
+                raise self.corruption(record.id, chain[-1].payload, "delta chain has a cycle")
             seen.add(base)
-            base_record = self._fetch_record(base)
+            base_record = self.fetch_record(base)
             if base_record is None:
-                raise self._corruption(
+                raise self.corruption(
                     chain[-1].id, chain[-1].payload, f"base record {base} missing"
                 )
             chain.append(base_record)
         if data is None:
             top = chain.pop()
-            data = self._verified(top, self._decode_full(top))
+            data = self._cached(top, self.decode(top))
         for item in reversed(chain):
-            data = self._verified(item, self._decode_delta(item, data))
+            data = self._cached(item, self.decode(item, data))
         return data
 
-    def _payload(self, record: CheckpointRecord) -> bytes:
-        try:
-            payload = self.store.get_at_most(record.payload, record.stored_size)
-        except KeyError:
-            raise self._corruption(record.id, record.payload, "payload missing") from None
-        if len(payload) > record.stored_size:
-            raise self._corruption(record.id, record.payload,
-                                   f"payload is larger than its record's {record.stored_size} "
-                                   "bytes")
-        return payload
-
-    def _decode_full(self, record: CheckpointRecord) -> bytes:
-        try:
-            return codec.decompress_full(self._payload(record), record.full_size)
-        except codec.DeltaError as exc:
-            raise self._corruption(record.id, record.payload, str(exc)) from exc
-
-    def _decode_delta(self, record: CheckpointRecord, base: bytes) -> bytes:
-        try:
-            return codec.decode(self._payload(record), base, record.full_size)
-        except codec.DeltaError as exc:
-            raise self._corruption(record.id, record.payload, str(exc)) from exc
-
-    def _verified(self, record: CheckpointRecord, data: bytes, *, cache: bool = True) -> bytes:
-        if checkpoint_id(data) != record.id:
-            raise self._corruption(
-                record.id, record.payload, "rebuilt bytes do not match the SHA-256 id"
-            )
-        if cache:
-            self._cache.put(record.id, data)
+    def _cached(self, record: CheckpointRecord, data: bytes) -> bytes:
+        """:meth:`verified` ``data``, kept in the cache of checkpoint bytes."""
+        self._cache.put(record.id, self.verified(record, data))
         return data
-
-    def _corruption(self, checkpoint: str, key: str, why: str) -> CheckpointCorruptionError:
-        error = CheckpointCorruptionError(
-            f"checkpoint {checkpoint} of run {self.run_id!r} in {self.store.url}: "
-            f"{key}: {why}"
-        )
-        error.checkpoint = checkpoint  # type: ignore[attr-defined]
-        error.key = key  # type: ignore[attr-defined]
-        error.why = why  # type: ignore[attr-defined]
-        return error
-
-    # writing ------------------------------------------------------------
 
     def commit(
         self,
@@ -850,32 +343,66 @@ class CheckpointLog:
         if entry is None:
             return
         final = replace(entry, id=checkpoint, created=time.time())
-        key = self.entry_key(final)
-        raw = self._signed(final.to_json(), "name")
-        if not self.store.put_if_absent(key, raw) and self._read_entry(key) is None:
-            # Something that is not a valid entry (planted, damaged, unsigned) holds the
-            # key our content gives: no valid writer wrote it, so ours replaces it.
-            log.warning("name entry %s is not a valid entry: writing it again", key)
-            self.malformed.pop(key, None)
-            self.store.put(key, raw)
+        self._append(final, lambda top: top is None or top.deleted
+                     or top.digest() != final.digest())
+
+    def _append(self, entry: NameEntry, wanted: Callable[[NameEntry | None], bool]
+                ) -> NameEntry | None:
+        """Write ``entry`` as the next number of its name's history, if ``wanted(newest)``.
+
+        The number is one above the highest key of the name's history
+        (unreadable objects included: a planted one is skipped, never
+        replaced); a writer that finds its number taken looks again.
+        Returns the entry written, or None when ``wanted`` declined.
+        """
+        for _ in range(64):
+            prefix = self.keys.name_history(entry.name)
+            taken = [n for n in map(self.keys.entry_seq, self.list_keys(prefix)) if n]
+            top = newest(self.name_history(entry.name))
+            if not wanted(top):
+                return None
+            final = replace(entry, seq=max(taken, default=0) + 1)
+            raw = self._signed(final.to_json(), "name")
+            if self.store.put_if_absent(self.keys.numbered_entry(final.name, final.seq or 0), raw):
+                return final
+        raise OutputExistsError(f"name {entry.name!r} of run {self.run_id!r}: its next entry "
+                                "number was taken 64 times in a row; not written")
+
+    def delete_name(self, name: str, checkpoint: str, *, writer: str | None = None
+                    ) -> NameEntry | None:
+        """Delete file name ``name`` while it stands for ``checkpoint``: write its tombstone.
+
+        The history is kept: a tombstone is one more numbered entry, so an
+        entry saved earlier and planted again is superseded, never chosen
+        (see :mod:`chkq.log.names`).  Returns the tombstone, or None if the
+        name's newest entry is already a deletion or names another checkpoint
+        (a newer commit of the name is not deleted).
+
+        Raises
+        ------
+        LogKeyError
+            If trusted log keys are configured but no signing key.
+        """
+        self._check_signer(f"not deleting name {name!r} in run {self.run_id!r}")
+        tombstone = NameEntry(name=check_relative_name(name), id=checkpoint, deleted=True,
+                              writer=writer or default_writer(), created=time.time())
+        return self._append(tombstone, lambda top: top is None
+                            or (not top.deleted and top.id == checkpoint))
+
+    def _check_signer(self, what: str) -> None:
+        if self.trust.enforcing and self.trust.signer is None:
+            raise LogKeyError(
+                "trusted log keys are configured (CHKQ_LOG_TRUSTED_KEYS) but no signing key "
+                "(CHKQ_LOG_SIGNING_KEY): what this process wrote would be refused by every "
+                f"reader; {what}")
 
     def _existing_record(self, checkpoint: str) -> tuple[CheckpointRecord | None, bool]:
         """The valid record of ``checkpoint`` if any, and whether an invalid one holds its key."""
         try:
-            return self._fetch_record(checkpoint), False
+            return self.fetch_record(checkpoint), False
         except CheckpointCorruptionError as exc:
             log.warning("%s: replacing it with this commit's record", exc)
             return None, True
-
-    def _payload_holds(self, key: str, data: bytes, base: bytes | None) -> bool:
-        """Whether the payload already at ``key`` decodes to ``data`` (against ``base``)."""
-        try:
-            found = self.store.get_at_most(key, codec.compress_bound(len(data)))
-            rebuilt = codec.decompress_full(found, len(data)) if base is None \
-                else codec.decode(found, base, len(data))
-        except (KeyError, codec.DeltaError):
-            return False
-        return rebuilt == data
 
     def _commit(
         self,
@@ -888,11 +415,7 @@ class CheckpointLog:
         fork: dict[str, Any] | None,
         entry: NameEntry | None,
     ) -> str:
-        if self.trust.enforcing and self.trust.signer is None:
-            raise LogKeyError(
-                "trusted log keys are configured (CHKQ_LOG_TRUSTED_KEYS) but no signing key "
-                "(CHKQ_LOG_SIGNING_KEY): what this process wrote would be refused by every "
-                f"reader; not committing to run {self.run_id!r}")
+        self._check_signer(f"not committing to run {self.run_id!r}")
         data = bytes(data)
         with ThreadPoolExecutor(1) as pool:
             full_future = pool.submit(codec.compress_full, data)
@@ -925,7 +448,7 @@ class CheckpointLog:
             payload = delta_payload
         else:
             kind, base, depth, payload = "full", None, 0, full_payload
-        key = self.payload_key(checkpoint, kind, base)
+        key = self.keys.payload(checkpoint, kind, base)
         record = CheckpointRecord(
             id=checkpoint, parent=parent, kind=kind, base=base, depth=depth, payload=key,
             stored_size=len(payload), full_size=len(data), step=step, label=label,
@@ -933,7 +456,7 @@ class CheckpointLog:
         )
         record_json = self._signed(record.to_json(), "record")
         created_payload = self.store.put_if_absent(key, payload)
-        if not created_payload and not self._payload_holds(
+        if not created_payload and not self.payload_holds(
                 key, data, parent_data if kind == "delta" else None):
             # The key our content gives holds something else (planted or damaged): the
             # record about to name it must name these bytes.
@@ -942,7 +465,7 @@ class CheckpointLog:
             self.store.put(key, payload)
             created_payload = True
         recorded_parent = parent
-        record_key = self.record_key(checkpoint)
+        record_key = self.keys.record(checkpoint)
         winner = None
         if invalid_record:
             self.store.put(record_key, record_json)
@@ -960,29 +483,103 @@ class CheckpointLog:
                 # could see our record (see gc): write it again.
                 log.warning("payload %s vanished (concurrent gc?): writing it again", key)
                 self.store.put_if_absent(key, payload)
-            self._records[checkpoint] = record
+            self.remember(record)
             if kind == "delta" and self.head_copies:
-                self.store.put_if_absent(self.head_copy_key(checkpoint), full_payload)
+                self.store.put_if_absent(self.keys.head_copy(checkpoint), full_payload)
         else:
             if winner is not None and winner.payload != key and created_payload:
                 self.store.delete(key)
             recorded_parent = winner.parent if winner is not None else None
         self._write_entry(entry, checkpoint)
         if recorded_parent is not None:
-            self.store.delete(self.head_copy_key(recorded_parent))
+            self.store.delete(self.keys.head_copy(recorded_parent))
         self._cache.put(checkpoint, data)
         return checkpoint
 
-    # maintenance --------------------------------------------------------
+    def record_output(self, entry: OutputEntry) -> OutputEntry:
+        """Record a published consolidated output, create-if-absent; return the stored entry.
 
-    def gc(self, older_than: float = DEFAULT_GC_AGE) -> list[str]:
+        The output object must already be in the store at ``entry.key`` with
+        ``entry.size`` bytes (its SHA-256 is the caller's word: it hashed the
+        bytes it published), and every checkpoint it names must be one of
+        the run's.  ``created`` and ``writer`` are filled in when unset.
+
+        Returns
+        -------
+        OutputEntry
+            The entry written, or the one already recorded if it records the
+            same output (:meth:`OutputEntry.same_output`: a redelivered or
+            repeated record), whoever wrote it.
+
+        Raises
+        ------
+        OutputExistsError
+            If the model already has an entry recording another output, or an
+            unusable one; the message names the entry's key and the recorded
+            output's key. Nothing is replaced.
+        OutputCorruptionError
+            If the output object is missing or not ``entry.size`` bytes.
+        UnknownParentError
+            If a checkpoint the entry names is not in the run.
+        LogKeyError
+            If trusted log keys are configured but no signing key.
+        """
+        self._check_signer(f"not recording the output of model {entry.model!r} in run "
+                           f"{self.run_id!r}")
+        final = replace(entry, created=entry.created or time.time(),
+                        writer=entry.writer or default_writer())
+        key = self.keys.output_entry(final.model)
+        raw = self._signed(final.to_json(), "output")
+        if len(raw) > MAX_OUTPUT_ENTRY_BYTES:
+            raise ValueError(f"output entry of model {final.model!r} would be {len(raw)} bytes, "
+                             f"above the {MAX_OUTPUT_ENTRY_BYTES} a reader takes")
+        known = set(self.ids())
+        unknown = [c for c in dict.fromkeys(final.checkpoints) if c not in known]
+        if unknown:
+            raise UnknownParentError(
+                f"output of model {final.model!r} names {len(unknown)} checkpoint(s) that are "
+                f"not in run {self.run_id!r} (first: {unknown[0]}); not recorded")
+        try:
+            size = self.store.size(final.key)
+        except KeyError:
+            raise OutputCorruptionError(
+                f"output object {final.key} of model {final.model!r} is not in "
+                f"{self.store.url}; publish it before recording it") from None
+        if size != final.size:
+            raise OutputCorruptionError(
+                f"output object {final.key} of model {final.model!r} is {size} bytes, not the "
+                f"{final.size} its entry would say; not recorded")
+        for _ in range(3):
+            if self.store.put_if_absent(key, raw):
+                return final
+            try:
+                existing = self.output_at(key)
+            except OutputEntryError as exc:
+                raise OutputExistsError(
+                    f"output entry {key} exists but cannot be used "
+                    f"({getattr(exc, 'why', exc)}); not replaced: remove it to record the "
+                    f"output {final.key} of model {final.model!r}") from None
+            if existing is None:
+                continue
+            if existing.same_output(final):
+                return existing
+            raise OutputExistsError(
+                f"output entry {key} already records another output of model "
+                f"{final.model!r}: {existing.key} ({existing.size} bytes, sha256 "
+                f"{existing.sha256[:16]}, job {existing.job or '?'}); not replaced, so "
+                f"{final.key} is not recorded")
+        raise OutputExistsError(f"output entry {key} keeps vanishing while it is recorded")
+
+    def gc(self, older_than: float = DEFAULT_GC_AGE,
+           young: list[tuple[str, float]] | None = None) -> list[str]:
         """Delete payloads no record points to, and stale head copies; return the keys.
 
         Payloads younger than ``older_than`` seconds are left alone (their
-        writer may be about to record them); no interleaving with commits can
-        delete a recorded payload (see :mod:`chkq.log.gc`).
+        writer may be about to record them), and listed with their age in
+        ``young`` when it is given; no interleaving with commits can delete a
+        recorded payload (see :mod:`chkq.log.gc`).
         """
-        return _gc.collect(self, older_than)
+        return _gc.collect(self, older_than, young)
 
     def verify(self, *, read_data: bool = False,
                progress: ProgressCallback | None = None) -> VerifyReport:
@@ -1000,4 +597,4 @@ class CheckpointLog:
     def clear_cache(self) -> None:
         """Forget cached checkpoint bytes and records (e.g. to measure cold loads)."""
         self._cache.clear()
-        self._records.clear()
+        self.forget_records()

@@ -40,24 +40,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from chkq.errors import CheckpointCorruptionError
 from chkq.log import delta as codec
-
-if TYPE_CHECKING:
-    from chkq.log.checkpoint_log import CheckpointLog
+from chkq.log.reader import LogReader
 
 __all__ = ["collect"]
 
 logger = logging.getLogger(__name__)
 
 
-def _aged(log: CheckpointLog, group: str, now: float, skip: Callable[[str], bool]
+def _aged(log: LogReader, group: str, now: float, skip: Callable[[str], bool]
           ) -> Iterator[tuple[str, str, float]]:
     """(key, checkpoint, age in seconds) of each key of ``group`` that names a checkpoint,
     is not ``skip``-ped and still exists (a key deleted meanwhile is passed over)."""
-    for key in log._list(log.keys.group(group)):
+    for key in log.list_keys(log.keys.group(group)):
         checkpoint = log.keys.parse(key).checkpoint
         if checkpoint is None or skip(key):
             continue
@@ -68,8 +65,13 @@ def _aged(log: CheckpointLog, group: str, now: float, skip: Callable[[str], bool
         yield key, checkpoint, now - modified
 
 
-def collect(log: CheckpointLog, older_than: float) -> list[str]:
+def collect(log: LogReader, older_than: float,
+            young: list[tuple[str, float]] | None = None) -> list[str]:
     """Delete payloads no record points to, and stale head copies (see the module docs).
+
+    ``young``, when given, receives ``(key, age in seconds)`` of each payload no
+    record points to that was kept because it is younger than ``older_than``, so
+    that a user who saw ``log verify`` report it knows why it is still there.
 
     Returns
     -------
@@ -82,31 +84,36 @@ def collect(log: CheckpointLog, older_than: float) -> list[str]:
     deleted: list[str] = []
     _settle_trash(log, now, older_than)
     for key, checkpoint, age in _aged(log, "payloads", now, skip=referenced.__contains__):
-        if age < older_than or _names_payload(log, checkpoint, key):
+        if age < older_than:
+            if young is not None:
+                young.append((key, age))
+            continue
+        if _names_payload(log, checkpoint, key):
             continue
         if _remove_orphan(log, checkpoint, key):
             deleted.append(key)
     parents = {r.parent for r in records}
+    recorded = {r.id for r in records}
     heads = {r.id for r in records if r.id not in parents}
     for key, checkpoint, age in _aged(log, "heads", now,
                                       skip=lambda key: log.keys.parse(key).checkpoint in heads):
-        if checkpoint in log._records or age >= older_than:
+        if checkpoint in recorded or age >= older_than:
             log.store.delete(key)
             deleted.append(key)
     return deleted
 
 
-def _names_payload(log: CheckpointLog, checkpoint: str, key: str) -> bool:
+def _names_payload(log: LogReader, checkpoint: str, key: str) -> bool:
     """Read the record afresh: does it name ``key``? (malformed: assume it might)."""
-    log._records.pop(checkpoint, None)
+    log.forget_records(checkpoint)
     try:
-        current = log._fetch_record(checkpoint)
+        current = log.fetch_record(checkpoint)
     except CheckpointCorruptionError:
         return True
     return current is not None and current.payload == key
 
 
-def _remove_orphan(log: CheckpointLog, checkpoint: str, key: str) -> bool:
+def _remove_orphan(log: LogReader, checkpoint: str, key: str) -> bool:
     """Move an orphan payload aside, delete it, look again; True if it stays deleted.
 
     An object larger than any payload of a checkpoint within the size limit can
@@ -122,7 +129,7 @@ def _remove_orphan(log: CheckpointLog, checkpoint: str, key: str) -> bool:
         logger.warning("payload %s is larger than any checkpoint's payload: deleted", key)
         log.store.delete(key)
         return True
-    trash = log.trash_key(key)
+    trash = log.keys.trash(key)
     log.store.put(trash, data)
     log.store.delete(key)
     if _names_payload(log, checkpoint, key):
@@ -134,9 +141,9 @@ def _remove_orphan(log: CheckpointLog, checkpoint: str, key: str) -> bool:
     return True
 
 
-def _settle_trash(log: CheckpointLog, now: float, older_than: float) -> None:
+def _settle_trash(log: LogReader, now: float, older_than: float) -> None:
     """Finish what a gc that died mid-removal left under ``trash/``."""
-    for trash in log._list(log.keys.group("trash")):
+    for trash in log.list_keys(log.keys.group("trash")):
         checkpoint = log.keys.parse(trash).checkpoint
         key = log.keys.payload_of_trash(trash)
         if checkpoint is not None and _names_payload(log, checkpoint, key) \

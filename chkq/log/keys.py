@@ -6,7 +6,9 @@ Layout of one run (``<id>`` is the SHA-256 of a checkpoint's bytes)::
     runs/<run>/payloads/<id>.full.zst          a whole checkpoint (zstd frame)
     runs/<run>/payloads/<id>.delta.<base>.zst  a zstd patch-from delta against <base>
     runs/<run>/heads/<id>.zst                  full copy of a delta checkpoint that is a head
-    runs/<run>/names/<digest>.json             a name entry: file name -> checkpoint id
+    runs/<run>/names/<name>.<seq>.json         entry number <seq> of a file name's history
+                                               (<name> is the SHA-256 of the file name)
+    runs/<run>/names/<digest>.json             a name entry of the older, unnumbered format
     runs/<run>/trash/<payload file name>       a payload gc moved aside
     runs/<run>/outputs/<MODEL>.json            an output entry: a consolidated file of MODEL
     runs/<run>/outputs/<MODEL>.h5              that file, where consolidation publishes it
@@ -20,11 +22,20 @@ taken apart.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from chkq.log.records import check_output_model, is_id
 
-__all__ = ["GROUPS", "ParsedKey", "RunKeys"]
+__all__ = ["GROUPS", "ParsedKey", "RunKeys", "name_digest"]
+
+SEQ_DIGITS = 10
+"""Digits of an entry's number in its key: listed keys sort in history order."""
+
+
+def name_digest(name: str) -> str:
+    """The hex SHA-256 of a file name: the part of its entries' keys that names it."""
+    return hashlib.sha256(name.encode()).hexdigest()
 
 GROUPS = ("records", "payloads", "heads", "names", "trash", "outputs")
 """The top-level folders of a run; anything else under it is an orphan.  Nothing under
@@ -82,6 +93,24 @@ class RunKeys:
     def entry(self, digest: str) -> str:
         """Key of the name entry with content digest ``digest``."""
         return f"{self.root}names/{digest}.json"
+
+    def numbered_entry(self, name: str, seq: int) -> str:
+        """Key of entry number ``seq`` (from 1) of the file name ``name``'s history."""
+        return f"{self.root}names/{name_digest(name)}.{seq:0{SEQ_DIGITS}d}.json"
+
+    def name_history(self, name: str) -> str:
+        """Prefix of every numbered entry of ``name``."""
+        return f"{self.root}names/{name_digest(name)}."
+
+    def entry_seq(self, key: str) -> int | None:
+        """The number if ``key`` is exactly a numbered entry's key, else None."""
+        parsed = self.parse(key)
+        parts = parsed.name.split(".")
+        if parsed.group != "names" or parsed.nested or len(parts) != 3 or parts[2] != "json" \
+                or parsed.checkpoint is None or len(parts[1]) != SEQ_DIGITS \
+                or not parts[1].isdigit() or not parts[1].isascii():
+            return None
+        return int(parts[1])
 
     def output_entry(self, model: str) -> str:
         """Key of the entry recording the consolidated output of ``model``."""

@@ -5,6 +5,7 @@ a name entry says which checkpoint a file name of the run stands for, with
 its annotations. Both are small JSON objects, written once; everything read
 back is untrusted and validated here field by field (types, nesting depth,
 size, name lengths a file system can hold) before anything acts on it.
+:class:`~chkq.log.names.NameEntry` is in :mod:`chkq.log.names`.
 
 Format versions
 ---------------
@@ -14,9 +15,10 @@ entries) kept a committed file's name and model in the record's ``meta``
 second file with the same bytes was lost.  Format 2 keeps names in entries
 of their own, ``names/<digest>.json``, one per (name, id, annotations), so
 the same bytes under two names are two entries and a restore brings back
-both.  Format-1 records that name a file are still read, as entries of
-their own (:attr:`NameEntry.legacy`); objects of a format above
-:data:`LOG_FORMAT` are reported as malformed rather than guessed at.
+both.  Format 3 numbers each name's entries (:mod:`chkq.log.names`); records
+and output entries are still written in format 2.  Format-1 records that
+name a file are still read, as entries of their own (``NameEntry.legacy``);
+objects of a format above :data:`LOG_FORMAT` are reported as malformed rather than guessed at.
 
 Output entries
 --------------
@@ -34,17 +36,17 @@ import json
 import os
 import re
 import socket
-import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
+from chkq import environment
 from chkq.errors import BadNameError
 from chkq.stores.base import InvalidKeyError, validate_key
 
-MAX_CHECKPOINT_ENV = "CHKQ_LOG_MAX_CHECKPOINT_BYTES"
-DEFAULT_MAX_CHECKPOINT_BYTES = 4 << 30
+MAX_CHECKPOINT_ENV = environment.LOG_MAX_CHECKPOINT_BYTES.name
+DEFAULT_MAX_CHECKPOINT_BYTES: int = environment.LOG_MAX_CHECKPOINT_BYTES.default
 """Largest checkpoint a log commits or reads unless ``CHKQ_LOG_MAX_CHECKPOINT_BYTES`` says."""
 MAX_OBJECT_BYTES = 1 << 20
 """Largest record or name entry read (they are a few hundred bytes)."""
@@ -53,11 +55,12 @@ MAX_OUTPUT_ENTRY_BYTES = 16 << 20
 NAME_MAX_BYTES = 255
 PATH_MAX_BYTES = 4095
 
-LOG_FORMAT = 2
-"""Format written by this version: 2 = names in entries of their own (see module docs)."""
-RECORD_FORMAT = LOG_FORMAT
+LOG_FORMAT = 3
+"""Newest format this version reads and writes: 3 = numbered name entries (see module docs)."""
+RECORD_FORMAT = 2
+"""Format of records and output entries written by this version."""
 _HEX = frozenset("0123456789abcdef")
-_NONE = type(None)
+NULL = type(None)
 
 
 def is_id(text: object) -> bool:
@@ -78,16 +81,7 @@ def max_checkpoint_bytes(environ: dict[str, str] | None = None) -> int:
     ValueError
         If the variable is not a positive whole number of bytes.
     """
-    raw = (os.environ if environ is None else environ).get(MAX_CHECKPOINT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_CHECKPOINT_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be a number of bytes, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{MAX_CHECKPOINT_ENV} must be positive, got {raw!r}")
-    return value
+    return environment.max_checkpoint_bytes(environ)
 
 
 def printable(text: str) -> str:
@@ -142,7 +136,7 @@ def check_relative_name(name: str) -> str:
     return name
 
 
-def _json_object(raw: str | bytes, what: str, fields: Any, required: Any,
+def json_object(raw: str | bytes, what: str, fields: Any, required: Any,
                  limit: int = MAX_OBJECT_BYTES) -> dict[str, Any]:
     """Parse a stored record or entry: a JSON object of a known format with typed fields.
 
@@ -186,14 +180,14 @@ def _check_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]],
         value = obj[name]
         is_bool = isinstance(value, bool)
         if (is_bool and bool not in types) or not isinstance(value, types):
-            wanted = " or ".join("null" if t is _NONE else t.__name__ for t in types)
+            wanted = " or ".join("null" if t is NULL else t.__name__ for t in types)
             raise ValueError(f"field {name!r} is {type(value).__name__}, expected {wanted}")
 
 
 _RECORD_FIELDS: dict[str, tuple[type, ...]] = {
-    "id": (str,), "parent": (str, _NONE), "kind": (str,), "base": (str, _NONE),
+    "id": (str,), "parent": (str, NULL), "kind": (str,), "base": (str, NULL),
     "depth": (int,), "payload": (str,), "stored_size": (int,), "full_size": (int,),
-    "step": (int, _NONE), "label": (str, _NONE), "meta": (dict,), "fork": (dict, _NONE),
+    "step": (int, NULL), "label": (str, NULL), "meta": (dict,), "fork": (dict, NULL),
     "created": (int, float), "format": (int,),
 }
 _RECORD_REQUIRED = frozenset({"id", "kind", "depth", "payload", "stored_size", "full_size"})
@@ -268,7 +262,7 @@ class CheckpointRecord:
         ValueError
             If the text is not a valid record; the message says what is wrong.
         """
-        obj = _json_object(raw, "record", _RECORD_FIELDS, _RECORD_REQUIRED)
+        obj = json_object(raw, "record", _RECORD_FIELDS, _RECORD_REQUIRED)
         obj.setdefault("format", 1)
         obj.setdefault("parent", None)
         obj.setdefault("base", None)
@@ -285,110 +279,6 @@ class CheckpointRecord:
         if record.stored_size < 0 or record.full_size < 0:
             raise ValueError("record has a negative size")
         return record
-
-
-_ENTRY_FIELDS: dict[str, tuple[type, ...]] = {
-    "name": (str,), "id": (str,), "model": (str, _NONE), "step": (int, _NONE),
-    "label": (str, _NONE), "writer": (str, _NONE), "meta": (dict,), "created": (int, float),
-    "format": (int,), "mode": (int, _NONE),
-}
-_ENTRY_REQUIRED = frozenset({"name", "id"})
-
-
-@dataclass(frozen=True)
-class NameEntry:
-    """One committed file of a run: its name, the checkpoint it holds, and annotations.
-
-    Entries are write-once, like records, under a key derived from their
-    content (:meth:`digest`), so committing the same file again (a
-    redelivered task) writes nothing new, while the same bytes under another
-    name, or with other annotations, are an entry of their own.
-
-    Attributes
-    ----------
-    name
-        Path relative to the run directory (``run_chk00003/thread_0001.h5``).
-    id
-        The checkpoint id of the file's bytes.
-    model
-        The model (run name of the simulation) the file belongs to, if known.
-    step, label, meta
-        The annotations of this commit.
-    writer
-        Who committed it (``host:pid`` by default); not part of the key.
-    created
-        POSIX time of the commit, as its writer says.
-    mode
-        The file's permission bits when committed (None for entries written
-        before modes were kept); restore gives the file ``mode & 0o777``.
-    legacy
-        True for an entry read from a format-1 record's ``meta.name``.
-    """
-
-    name: str
-    id: str
-    model: str | None = None
-    step: int | None = None
-    label: str | None = None
-    writer: str | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    created: float = 0.0
-    mode: int | None = None
-    legacy: bool = False
-
-    def digest(self) -> str:
-        """Hex SHA-256 of what makes the entry distinct (writer and time excluded)."""
-        identity: dict[str, Any] = {
-            "name": self.name, "id": self.id, "model": self.model, "step": self.step,
-            "label": self.label, "meta": self.meta}
-        if self.mode is not None:
-            identity["mode"] = self.mode
-        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-    def to_json(self) -> bytes:
-        """Serialise as small JSON (``legacy`` is never stored)."""
-        obj = {"format": LOG_FORMAT, **asdict(self)}
-        del obj["legacy"]
-        if obj["mode"] is None:
-            del obj["mode"]
-        return (json.dumps(obj, indent=1) + "\n").encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> NameEntry:
-        """Parse and validate :meth:`to_json` output.
-
-        Raises
-        ------
-        ValueError
-            If the text is not a valid entry.
-        """
-        obj = _json_object(raw, "entry", _ENTRY_FIELDS, _ENTRY_REQUIRED)
-        names = set(cls.__dataclass_fields__) - {"legacy"}
-        entry = cls(**{k: v for k, v in obj.items() if k in names})
-        if not is_id(entry.id):
-            raise ValueError("entry has a malformed checkpoint id")
-        if entry.mode is not None and not 0 <= entry.mode <= 0o7777:
-            raise ValueError(f"entry has a mode out of range: {entry.mode!r}")
-        check_relative_name(entry.name)
-        return entry
-
-    @property
-    def file_mode(self) -> int:
-        """Permission bits a restored copy gets: the committed ones, never setuid, setgid
-        or sticky; 0600 when the entry kept none."""
-        return 0o600 if self.mode is None else stat.S_IMODE(self.mode) & 0o777
-
-    def model_matches(self, model: str) -> bool:
-        """Whether the file belongs to ``model``.
-
-        The entry's own model decides; an entry without one (committed by
-        hand) belongs to the model its name says, ``MODEL_chkNNNNN[.h5]`` or
-        ``MODEL_chkNNNNN/...`` as slug names checkpoints, and to no model
-        otherwise.
-        """
-        if self.model is not None:
-            return self.model == model
-        return model_of_name(self.name) == model
 
 
 _BAD_MODEL = re.compile(r"[/\\\x00]")
@@ -450,7 +340,7 @@ def output_key_problem(key: object) -> str | None:
 _OUTPUT_FIELDS: dict[str, tuple[type, ...]] = {
     "model": (str,), "key": (str,), "size": (int,), "sha256": (str,),
     "checkpoints": (list,), "names": (list,), "created": (int, float),
-    "writer": (str, _NONE), "job": (str, _NONE), "format": (int,),
+    "writer": (str, NULL), "job": (str, NULL), "format": (int,),
 }
 _OUTPUT_REQUIRED = frozenset({"model", "key", "size", "sha256", "checkpoints", "names"})
 
@@ -543,7 +433,7 @@ class OutputEntry:
 
     def to_json(self) -> bytes:
         """Serialise as JSON (checkpoint and name lists included)."""
-        obj = {"format": LOG_FORMAT, **asdict(self)}
+        obj = {"format": RECORD_FORMAT, **asdict(self)}
         obj["checkpoints"], obj["names"] = list(self.checkpoints), list(self.names)
         return (json.dumps(obj, indent=1) + "\n").encode()
 
@@ -556,7 +446,7 @@ class OutputEntry:
         ValueError
             If the text is not a valid output entry; the message says what is wrong.
         """
-        obj = _json_object(raw, "output entry", _OUTPUT_FIELDS, _OUTPUT_REQUIRED,
+        obj = json_object(raw, "output entry", _OUTPUT_FIELDS, _OUTPUT_REQUIRED,
                            limit=MAX_OUTPUT_ENTRY_BYTES)
         for name in ("checkpoints", "names"):
             if not all(isinstance(item, str) for item in obj[name]):
@@ -595,23 +485,6 @@ def validate_run_id(run_id: str) -> str:
     except InvalidKeyError as exc:
         raise BadNameError(f"invalid run id {run_id!r}: {exc}") from None
     return run_id
-
-
-def choose_entries(by_name: dict[str, list[NameEntry]], *, decided: bool
-            ) -> tuple[dict[str, NameEntry], dict[str, list[NameEntry]]]:
-    """Each name's entry (its latest, entries oldest first), and the names in conflict.
-
-    A name's entries conflict when they name different checkpoints and
-    ``decided`` is False (no trusted keys vouch for their writers).
-    """
-    chosen: dict[str, NameEntry] = {}
-    conflicts: dict[str, list[NameEntry]] = {}
-    for name, found in by_name.items():
-        if len({e.id for e in found}) > 1 and not decided:
-            conflicts[name] = found
-        else:
-            chosen[name] = found[-1]
-    return chosen, conflicts
 
 
 def corruption_reason(exc: BaseException) -> str:

@@ -18,7 +18,8 @@ What is signed is the object's canonical JSON (sorted keys, no whitespace,
 a signed record or entry cannot be replayed into another run, or as the
 other kind.
 
-Configuration (read by :meth:`LogTrust.from_env`):
+Configuration (passed as ``trust``, or read by :meth:`LogTrust.from_env` through
+:mod:`chkq.environment`):
 
 ``CHKQ_LOG_SIGNING_KEY``
     A PEM file holding the writer's Ed25519 private key (PKCS#8, mode 0600
@@ -54,6 +55,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
+from chkq import environment
 from chkq.errors import LogKeyError
 from chkq.rundir import CREATE
 
@@ -66,8 +68,8 @@ __all__ = [
 ]
 
 SIGNATURE_FIELD = "signature"
-SIGNING_KEY_ENV = "CHKQ_LOG_SIGNING_KEY"
-TRUSTED_KEYS_ENV = "CHKQ_LOG_TRUSTED_KEYS"
+SIGNING_KEY_ENV = environment.LOG_SIGNING_KEY.name
+TRUSTED_KEYS_ENV = environment.LOG_TRUSTED_KEYS.name
 _CONTEXT = b"chkq-log-signature-v1\n"
 _PEM = re.compile(rb"-----BEGIN [A-Z ]+-----.+?-----END [A-Z ]+-----", re.DOTALL)
 
@@ -149,13 +151,17 @@ class LogTrust:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> LogTrust:
         """The trust configured by ``CHKQ_LOG_SIGNING_KEY`` and ``CHKQ_LOG_TRUSTED_KEYS``.
 
+        Read from ``environ`` (this process's environment if None); the key
+        files are loaded once per pair of paths in this process
+        (:func:`trust_from_files`).
+
         Raises
         ------
         LogKeyError
             If a configured file cannot be used.
         """
-        env = os.environ if environ is None else environ
-        return _from_files(env.get(SIGNING_KEY_ENV) or None, env.get(TRUSTED_KEYS_ENV) or None)
+        return trust_from_files(environment.LOG_SIGNING_KEY.read(environ),
+                                environment.LOG_TRUSTED_KEYS.read(environ))
 
     @classmethod
     def from_files(cls, signing_key: str | Path | None,
@@ -215,7 +221,8 @@ class LogTrust:
 
 
 @functools.lru_cache(maxsize=8)
-def _from_files(signing_key: str | None, trusted_keys: str | None) -> LogTrust:
+def trust_from_files(signing_key: str | None, trusted_keys: str | None) -> LogTrust:
+    """:meth:`LogTrust.from_files`, loaded once per pair of paths in this process."""
     return LogTrust.from_files(signing_key, trusted_keys)
 
 

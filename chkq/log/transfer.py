@@ -28,13 +28,11 @@ leaves no file.
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
-import hashlib
 import os
 import re
 import stat
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, get_args, get_origin, get_type_hints
@@ -53,7 +51,7 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     ParentNotCommittedError,
     SourceNotFoundError,
 )
-from chkq.fsutil import install, write_temp
+from chkq.fsutil import write_temp
 from chkq.log import (
     CheckpointLog,
     CheckpointRecord,
@@ -65,8 +63,9 @@ from chkq.log import (
     format_created,
     model_of_name,
 )
-from chkq.log.checkpoint_log import OUTPUT_PIECE_BYTES
-from chkq.rundir import DIRECTORY, READ_NONBLOCK
+from chkq.log.files import digest_at, directory_at, put_file, write_output
+from chkq.log.reader import OUTPUT_PIECE_BYTES
+from chkq.rundir import READ_NONBLOCK
 
 __all__ = [
     "CommitOptions",
@@ -84,8 +83,6 @@ __all__ = [
     "write_output",
 ]
 
-_DIR_FLAGS = DIRECTORY
-_READ_FLAGS = READ_NONBLOCK
 
 
 def read_stable(path: str | Path) -> tuple[bytes, int]:
@@ -328,104 +325,6 @@ def commit_bytes(
     return log.record(checkpoint)
 
 
-# writing files without following planted links ----------------------------
-
-
-def _open_dir_at(fd: int, name: str, *, create: bool, shown: str) -> int:
-    if create:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o755, dir_fd=fd)
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise OutputExistsError(
-                f"{shown!r} is a symbolic link or not a directory; not followed") from None
-        raise
-
-
-@contextlib.contextmanager
-def _directory(root_fd: int, parts: list[str], root: Path) -> Iterator[int]:
-    """fd of ``root/parts...``, created as needed, never through a link."""
-    fd = os.dup(root_fd)
-    try:
-        shown = root
-        for part in parts:
-            shown = shown / part
-            child = _open_dir_at(fd, part, create=True, shown=str(shown))
-            os.close(fd)
-            fd = child
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _digest_at(dir_fd: int, name: str, shown: str) -> str | None:
-    """SHA-256 of the regular file ``name`` in ``dir_fd`` (None if missing); links refused."""
-    try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OutputExistsError(f"{shown!r} is a symbolic link; not overwritten") from None
-        raise
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            raise OutputExistsError(f"{shown!r} exists and is not a regular file")
-        while block := fh.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _put(dir_fd: int, name: str, shown: str, data: bytes, wanted: str, mode: int, *,
-         force: bool = False, hint: str = "",
-         refusal: type[FileExistsError] = OutputExistsError) -> bool:
-    """Install ``data`` (checkpoint id ``wanted``) at ``name``; False if it was already there.
-
-    A file already at ``name`` with the same bytes is kept; one with other
-    bytes, a link or not a regular file is refused (``refusal`` naming
-    ``shown``), unless ``force`` renames over it.
-    """
-    if not force and _digest_at(dir_fd, name, shown) == wanted:
-        return False
-    try:
-        install(dir_fd, name, data, mode=mode, replace=force)
-    except FileExistsError:
-        if _digest_at(dir_fd, name, shown) == wanted:
-            return False
-        raise refusal(f"{shown!r} exists with other content; not overwritten{hint}") from None
-    return True
-
-
-def write_output(path: str | Path, data: bytes, *, mode: int = 0o600,
-                 force: bool = False) -> Path:
-    """Write ``data`` to ``path`` atomically (``chkq log pull -o``); return the path.
-
-    The bytes go to a random ``O_EXCL|O_NOFOLLOW`` temporary next to
-    ``path`` with permission bits ``mode & 0o777``, are fsynced and linked
-    into place, never replacing a file: a file already there with the same
-    bytes is kept, one with other bytes (or a symbolic link) is refused.
-    With ``force`` the temporary is renamed over whatever is at ``path`` (a
-    link is replaced, not written through).
-
-    Raises
-    ------
-    FileExistsError
-        If ``path`` exists with other content, or is a link or not a regular
-        file, and ``force`` is not given; the message names it.
-    """
-    target = Path(path).absolute()
-    dir_fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        _put(dir_fd, target.name, str(target), data, checkpoint_id(data), mode,
-             force=force, hint=" (--force replaces it)", refusal=FileExistsError)
-    finally:
-        os.close(dir_fd)
-    return target
-
-
 def pull_mode(log: CheckpointLog, checkpoint: str) -> int:
     """Permission bits for a pulled copy of ``checkpoint``: those every name of it allows.
 
@@ -477,7 +376,8 @@ class RestoreResult:
         text = (f"restored {len(self.written)} file(s), {self.bytes_written} bytes, "
                 f"into {self.out_dir}")
         if self.kept:
-            text += f" ({len(self.kept)} already there)"
+            text += (f"; {len(self.kept)} file(s) already there with their committed bytes "
+                     "were kept, not rewritten")
         return text
 
 
@@ -487,11 +387,16 @@ def restore_run(
     model: str | None = None,
     *,
     on_file: Callable[[Path], None] | None = None,
+    on_kept: Callable[[Path], None] | None = None,
 ) -> RestoreResult:
     """Write every file of the run back under its name in ``out_dir``.
 
+    ``on_file`` hears of each file as it is in place; with ``on_kept``, a file that
+    was already there with its committed bytes goes to ``on_kept`` instead.
+
     Each name's entry chosen by :meth:`chkq.log.CheckpointLog.files` is
-    restored (a name in conflict is not, and is reported in ``failed``); with
+    restored (a name in conflict, or rolled back against what the log's
+    reader saw before, is not, and is reported in ``failed``); with
     ``model``, only files of that model (:meth:`chkq.log.NameEntry.model_matches`).
     A file gets the permission bits its entry kept (:attr:`NameEntry.file_mode`).
     A file that already exists with the same bytes is kept; one with other
@@ -512,6 +417,9 @@ def restore_run(
         result.failed.append((name, f"conflicting entries name different checkpoints: {ids}; "
                               "not restored, since without trusted log keys any of them may "
                               "have been planted (pull the one you mean with chkq log pull)"))
+    for name, why in sorted(log.rollbacks.items()):
+        result.failed.append((name, f"{why}; not restored (the store's history of the name "
+                              "is not the one this reader saw)"))
     if not files and not result.failed:
         every = log.files(None, records)
         if model is not None and every:
@@ -530,8 +438,7 @@ def restore_run(
                 why = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
                 result.failed.append((name, why))
                 continue
-            if on_file is not None:
-                on_file(path)
+            _tell(path, path in result.kept[-1:], on_file, on_kept)
     finally:
         os.close(root_fd)
     return result
@@ -541,12 +448,12 @@ def _restore_one(log: CheckpointLog, root_fd: int, root: Path, name: str, entry:
                  result: RestoreResult) -> Path:
     parts = name.split("/")
     target = root.joinpath(*parts)
-    with _directory(root_fd, parts[:-1], root) as dir_fd:
-        if _digest_at(dir_fd, parts[-1], str(target)) == entry.id:
+    with directory_at(root_fd, parts[:-1], root) as dir_fd:
+        if digest_at(dir_fd, parts[-1], str(target)) == entry.id:
             result.kept.append(target)
             return target
         data = log.load(entry.id)
-        if not _put(dir_fd, parts[-1], str(target), data, entry.id, entry.file_mode):
+        if not put_file(dir_fd, parts[-1], str(target), data, entry.id, entry.file_mode):
             result.kept.append(target)
             return target
     result.written.append(target)
@@ -561,6 +468,7 @@ def restore_outputs(
     *,
     on_file: Callable[[Path], None] | None = None,
     piece: int = OUTPUT_PIECE_BYTES,
+    on_kept: Callable[[Path], None] | None = None,
 ) -> RestoreResult:
     """Write the run's recorded consolidated outputs (``model``'s only) to ``out_dir/<MODEL>.h5``.
 
@@ -569,7 +477,8 @@ def restore_outputs(
     target and linked into place only once its size and SHA-256 are its
     entry's: an object that is missing, changed or damaged leaves no file and
     is reported in ``failed``, as is an output entry that cannot be used.
-    A file already at the target with the entry's bytes is kept; any other
+    A file already at the target with the entry's bytes is kept (told to ``on_kept``
+    when given, else to ``on_file`` as a file restored is); any other
     file, or a link, is never replaced. Files are created ``0600``.
 
     Raises
@@ -610,23 +519,30 @@ def restore_outputs(
                 result.bytes_written += entry.size
             else:
                 result.kept.append(target)
-            if on_file is not None:
-                on_file(target)
+            _tell(target, not written, on_file, on_kept)
     finally:
         os.close(root_fd)
     return result
 
 
+def _tell(path: Path, kept: bool, on_file: Callable[[Path], None] | None,
+          on_kept: Callable[[Path], None] | None) -> None:
+    """Call ``on_file(path)``, or ``on_kept(path)`` for a file kept when that is given."""
+    hear = on_kept if kept and on_kept is not None else on_file
+    if hear is not None:
+        hear(path)
+
+
 def _put_output(log: CheckpointLog, dir_fd: int, name: str, shown: str, entry: OutputEntry,
                 piece: int) -> bool:
     """Stream ``entry``'s object to ``name`` in ``dir_fd``, verified; False if already there."""
-    if _digest_at(dir_fd, name, shown) == entry.sha256:
+    if digest_at(dir_fd, name, shown) == entry.sha256:
         return False
     temp = write_temp(dir_fd, log.read_output(entry, piece), 0o600)
     try:
         os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
     except FileExistsError:
-        if _digest_at(dir_fd, name, shown) == entry.sha256:
+        if digest_at(dir_fd, name, shown) == entry.sha256:
             return False
         raise OutputExistsError(f"{shown!r} exists with other content; not overwritten"
                                 ) from None

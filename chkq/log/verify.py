@@ -24,22 +24,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from chkq.errors import CheckpointCorruptionError, OutputCorruptionError, OutputEntryError
 from chkq.log import delta as codec
 from chkq.log.keys import GROUPS
-from chkq.log.records import (
-    CheckpointRecord,
-    NameEntry,
-    OutputEntry,
-    choose_entries,
-    corruption_reason,
-    format_created,
-)
-
-if TYPE_CHECKING:
-    from chkq.log.checkpoint_log import CheckpointLog
+from chkq.log.names import NameEntry, choose_entries, newest
+from chkq.log.reader import LogReader
+from chkq.log.records import CheckpointRecord, OutputEntry, corruption_reason, format_created
 
 __all__ = ["ProgressCallback", "VerifyReport", "verify"]
 
@@ -108,7 +100,7 @@ ProgressCallback = Callable[[str, int, int], None]
 """``progress(phase, done, total)``, called as verification goes on."""
 
 
-def verify(log: CheckpointLog, *, read_data: bool = False,
+def verify(log: LogReader, *, read_data: bool = False,
            progress: ProgressCallback | None = None) -> VerifyReport:
     """Check the run in the store without writing anything.
 
@@ -133,7 +125,7 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
     """
     report = VerifyReport(store=log.store.url, run=log.run_id, read_data=read_data)
     problems = report.problems
-    keys = log.store.list(log._root)
+    keys = log.store.list(log.keys.root)
     groups: dict[str, list[str]] = {}
     for key in keys:
         group = log.keys.parse(key).group
@@ -144,7 +136,7 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
     for group in ("records", "payloads", "heads", "names", "outputs"):
         if group not in groups:
             prefix = log.keys.group(group)
-            log._list(prefix)
+            log.list_keys(prefix)
             why = log.malformed.get(prefix)
             if why is not None:
                 problems.append((prefix, why))
@@ -165,9 +157,9 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
             else:
                 report.orphans.append(key)
             continue
-        log._records.pop(checkpoint, None)
+        log.forget_records(checkpoint)
         try:
-            record = log._fetch_record(checkpoint)
+            record = log.fetch_record(checkpoint)
         except CheckpointCorruptionError as exc:
             problems.append((key, corruption_reason(exc)))
             bad_ids.add(checkpoint)
@@ -186,16 +178,16 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
             problems.append((record.payload, f"payload of checkpoint {record.id} missing"))
         if record.parent is not None and record.parent not in records \
                 and record.parent not in bad_ids:
-            problems.append((log.record_key(record.id),
+            problems.append((log.keys.record(record.id),
                              f"parent {record.parent} has no record"))
         if record.kind == "delta":
             assert record.base is not None
             base = records.get(record.base)
             if base is None and record.base not in bad_ids:
-                problems.append((log.record_key(record.id),
+                problems.append((log.keys.record(record.id),
                                  f"delta base {record.base} has no record"))
             elif base is not None and base.depth + 1 != record.depth:
-                problems.append((log.record_key(record.id),
+                problems.append((log.keys.record(record.id),
                                  f"depth {record.depth} but its base has depth "
                                  f"{base.depth}"))
     referenced = {r.payload for r in records.values()}
@@ -224,29 +216,40 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
             problems.append((key, "not a name entry: entries are not kept in "
                              "subdirectories"))
             continue
-        entry = log._read_entry(key)
+        entry = log.read_entry(key)
         if entry is None:
             if key in log.malformed:
                 problems.append((key, log.malformed[key]))
             continue
         report.names += 1
         read_entries.setdefault(entry.name, []).append(entry)
-        if entry.id not in records and entry.id not in bad_ids:
+        if not entry.deleted and entry.id not in records and entry.id not in bad_ids:
             problems.append((key, f"name {entry.name!r} points to checkpoint {entry.id}, "
                              "which has no record"))
         tick("names", done, len(entry_keys))
 
     for found in read_entries.values():
         found.sort(key=lambda e: (e.created, e.id))
+    listed = set(entry_keys)
+    for name, found in sorted(read_entries.items()):
+        top = newest(found)
+        for seq in range(1, (top.seq or 0) + 1 if top is not None else 1):
+            key = log.keys.numbered_entry(name, seq)
+            if key not in listed:
+                problems.append((key, f"entry #{seq} of name {name!r} is missing from the "
+                                 f"store, below its newest #{top.seq if top else 0}: removed "
+                                 "by someone"))
+    for name, why in sorted(log.check_freshness(read_entries).items()):
+        problems.append((log.keys.name_history(name), f"rolled back: {why}"))
     _, conflicts = choose_entries(read_entries, decided=log.trust.enforcing)
     for name, found in sorted(conflicts.items()):
         ids = ", ".join(f"{e.id} (created {format_created(e.created)})" for e in found)
         for entry in found:
-            problems.append((log.entry_key(entry),
+            problems.append((log.entry_key_of(entry),
                              f"conflict: name {name!r} has entries for different "
                              f"checkpoints: {ids}; restore refuses it"))
 
-    pairs = {(e.name, e.id) for found in read_entries.values() for e in found}
+    pairs = {(e.name, e.id) for found in read_entries.values() for e in found if not e.deleted}
     pairs.update((r.meta["name"], r.id) for r in records.values()
                  if r.format < 2 and isinstance(r.meta.get("name"), str))
     _verify_outputs(log, groups.get("outputs", []), set(records) | bad_ids, pairs, report,
@@ -257,7 +260,7 @@ def verify(log: CheckpointLog, *, read_data: bool = False,
     return report
 
 
-def _verify_outputs(log: CheckpointLog, keys: list[str], recorded: set[str],
+def _verify_outputs(log: LogReader, keys: list[str], recorded: set[str],
                     pairs: set[tuple[str, str]], report: VerifyReport, *, read_data: bool,
                     tick: Callable[[str, int, int], None]) -> None:
     """Check every output entry, and its object (read whole with ``read_data``)."""
@@ -266,7 +269,7 @@ def _verify_outputs(log: CheckpointLog, keys: list[str], recorded: set[str],
         if log.keys.output_entry_model(key) is None:
             continue
         try:
-            entry = log._read_output(key)
+            entry = log.output_at(key)
         except OutputEntryError as exc:
             report.problems.append((key, str(getattr(exc, "why", exc))))
             continue
@@ -291,7 +294,7 @@ def _verify_outputs(log: CheckpointLog, keys: list[str], recorded: set[str],
         tick("outputs", done, len(entries))
 
 
-def _check_output_object(log: CheckpointLog, entry: OutputEntry, *, read_data: bool,
+def _check_output_object(log: LogReader, entry: OutputEntry, *, read_data: bool,
                          report: VerifyReport) -> str | None:
     """Why the output object is not what its entry says, or None (counted in ``report``)."""
     if not read_data:
@@ -312,7 +315,7 @@ def _check_output_object(log: CheckpointLog, entry: OutputEntry, *, read_data: b
     return None
 
 
-def _check_head_copy(log: CheckpointLog, key: str, record: CheckpointRecord) -> str | None:
+def _check_head_copy(log: LogReader, key: str, record: CheckpointRecord) -> str | None:
     try:
         raw = log.store.get_at_most(key, codec.compress_bound(record.full_size))
     except KeyError:
@@ -328,7 +331,7 @@ def _check_head_copy(log: CheckpointLog, key: str, record: CheckpointRecord) -> 
     return None
 
 
-def _verify_chains(log: CheckpointLog, records: dict[str, CheckpointRecord], missing: set[str],
+def _verify_chains(log: LogReader, records: dict[str, CheckpointRecord], missing: set[str],
                    report: VerifyReport, tick: Callable[[str, int, int], None]) -> None:
     """Rebuild every checkpoint from its keyframe, depth first, each payload read once."""
     children: dict[str, list[CheckpointRecord]] = {}
@@ -346,10 +349,7 @@ def _verify_chains(log: CheckpointLog, records: dict[str, CheckpointRecord], mis
         record, base = stack.pop()
         reached.add(record.id)
         try:
-            if base is None:
-                data = log._verified(record, log._decode_full(record), cache=False)
-            else:
-                data = log._verified(record, log._decode_delta(record, base), cache=False)
+            data = log.verified(record, log.decode(record, base))
         except CheckpointCorruptionError as exc:
             if record.id not in missing:
                 report.problems.append(

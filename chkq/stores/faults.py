@@ -281,10 +281,12 @@ class _FaultyUpload(PartsUpload):
 
     def _complete(self) -> bool:
         def complete() -> bool:
+            self.inner.access = self.access
             try:
                 self.inner.complete()
             except FileExistsError:
                 return False
+            self.version = self.inner.version
             return True
 
         return self.store._run("upload_complete", self.key, complete)

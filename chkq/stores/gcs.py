@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
-import os
 import uuid
 from typing import Any
 
@@ -14,18 +13,13 @@ from google.api_core import exceptions as api_exceptions
 from google.auth import exceptions as auth_exceptions
 from google.cloud import storage
 
-from chkq.errors import BadNameError
-from chkq.stores.base import (
-    WRITE_ID_METADATA,
-    BucketStore,
-    InvalidKeyError,
-    ObjectChecksums,
-    ObjectVersion,
-    PartsUpload,
-    StoreTimeouts,
-    StrayUpload,
-    bucket_prefix,
-)
+from chkq import environment
+from chkq.errors import BadNameError, InvalidKeyError, StoreAccessError
+from chkq.stores.base import ObjectChecksums, ObjectVersion, StrayUpload
+from chkq.stores.bucket import WRITE_ID_METADATA, BucketStore
+from chkq.stores.keys import bucket_prefix
+from chkq.stores.retry import StoreTimeouts
+from chkq.stores.uploads import PartsUpload
 
 __all__ = ["GCSStore"]
 
@@ -64,12 +58,22 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(status, int) and (status >= 500 or status == 429)
 
 
-def _make_client(project: str | None) -> storage.Client:
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+#: Where google-auth finds the credentials it sends, as the user sets them.
+CREDENTIAL_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS (a service account's key file), or "
+                        "gcloud auth application-default login")
+
+
+def _make_client(project: str | None, url: str = "") -> storage.Client:
+    if environment.gcs_emulator():
         from google.auth.credentials import AnonymousCredentials
 
         return storage.Client(project=project or "test", credentials=AnonymousCredentials())
-    return storage.Client(project=project)
+    try:
+        return storage.Client(project=project)
+    except auth_exceptions.DefaultCredentialsError:
+        raise StoreAccessError(
+            f"store {url}: no Google Cloud credentials found: set {CREDENTIAL_VARIABLES} "
+            "for the user running chkq (on a cluster, for the workers too)") from None
 
 
 class GCSStore(BucketStore):
@@ -84,10 +88,11 @@ class GCSStore(BucketStore):
     an upload whose response was lost, so each conditional write carries a
     random write id in the object's custom metadata (``chkq-write-id``) and
     a 412 is read back and compared: the write is ours — True — if the id
-    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).
+    matches (:meth:`~chkq.stores.bucket.BucketStore._written_by`).
 
     Waits are bounded (:class:`~chkq.stores.base.StoreTimeouts`): every
-    call passes ``timeout=(connect, read)`` and ``retry=None`` (the client's
+    call passes ``timeout=(connect, read)`` (a compose, which assembles an
+    object, ``(connect, complete)``) and ``retry=None`` (the client's
     own retries, up to 120 s each by default, are off), and the one retry
     layer, :func:`chkq.stores.base.retry_transient`, stops when the
     operation's budget is spent, with an error naming the store and key.
@@ -130,12 +135,14 @@ class GCSStore(BucketStore):
             raise BadNameError("GCSStore needs a bucket name")
         self.timeouts = timeouts if timeouts is not None else StoreTimeouts.from_env()
         self._timeout = (self.timeouts.connect, self.timeouts.read)
+        self._compose_timeout = (self.timeouts.connect, self.timeouts.complete)
         self._bucket_name = bucket
         self._prefix = bucket_prefix(prefix)
         self.page_size = page_size
         self.part_size = part_size
         self.attempts = attempts
-        self._client = client if client is not None else _make_client(project)
+        self._client = (client if client is not None
+                        else _make_client(project, f"gs://{bucket}/{prefix}".rstrip("/")))
         self._bucket = self._client.bucket(bucket)
 
     @property
@@ -157,6 +164,25 @@ class GCSStore(BucketStore):
 
     def _is_missing_bucket(self, exc: BaseException) -> bool:
         return isinstance(exc, api_exceptions.NotFound)
+
+    def _retry(self, operation: Any, what: str) -> Any:
+        """:meth:`BucketStore._retry`, refused credentials said as a user fixes them.
+
+        Raises
+        ------
+        StoreAccessError
+            If the store refused the credentials sent (401, 403) or they could not
+            be refreshed, naming the store and the variables to set.
+        """
+        try:
+            return super()._retry(operation, what)
+        except (api_exceptions.Unauthorized, api_exceptions.Forbidden,
+                auth_exceptions.RefreshError) as exc:
+            raise StoreAccessError(
+                f"store {self.url}: {what}: the store refused the credentials sent "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                f"check {CREDENTIAL_VARIABLES}, and that they may use bucket "
+                f"{self._bucket_name!r}") from None
 
     def _available(self) -> bool:
         return bool(self._retry(
@@ -432,7 +458,7 @@ class _ComposeUpload(PartsUpload):
     def _compose(self, destination: Any, sources: list[Any], **precondition: int) -> None:
         store = self.store
         store._retry(
-            lambda: destination.compose(sources, timeout=store._timeout, retry=None,
+            lambda: destination.compose(sources, timeout=store._compose_timeout, retry=None,
                                         **precondition),
             f"compose {len(sources)} parts of {self.key}")
 
@@ -463,8 +489,8 @@ class _ComposeUpload(PartsUpload):
             destination.metadata = {WRITE_ID_METADATA: self._write_id}
             destination.content_type = "application/octet-stream"
             try:
-                destination.compose(sources, if_generation_match=0, timeout=store._timeout,
-                                    retry=None)
+                destination.compose(sources, if_generation_match=0,
+                                    timeout=store._compose_timeout, retry=None)
             except api_exceptions.PreconditionFailed:
                 current = store._bucket.get_blob(name, timeout=store._timeout, retry=None)
                 metadata = None if current is None else dict(current.metadata or {})

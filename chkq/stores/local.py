@@ -5,7 +5,10 @@ planted in the store, at a directory or at a temporary's name, must never
 send a worker's reads, writes or deletes elsewhere. So every operation walks
 from the store's root one name at a time with ``openat(O_NOFOLLOW)`` and
 acts relative to the directory it reached (``*at`` system calls); a link
-anywhere in the way is refused.
+anywhere in the way is refused. Nor does a write ever pass through a
+directory another user can write: its bytes go to a file only the writer can
+reach (see :class:`LocalDirectoryStore`), and the name it gets is checked to
+be that very file.
 """
 
 from __future__ import annotations
@@ -14,16 +17,16 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from chkq.errors import (
     BadNameError,
+    StoredBytesMismatchError,
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
-from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK
+from chkq.rundir import fd_path
 from chkq.stores.base import (
     CheckpointStore,
     InvalidKeyError,
@@ -31,6 +34,17 @@ from chkq.stores.base import (
     PartsUpload,
     StrayUpload,
     validate_key,
+)
+from chkq.stores.local_files import (
+    DIR_FLAGS,
+    PRIVATE_PREFIX,
+    READ_FLAGS,
+    TMP_DIR,
+    UPLOAD_SUFFIX,
+    PrivateFile,
+    remove_private,
+    reserved_name,
+    stamp_of,
 )
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
@@ -40,32 +54,27 @@ log = logging.getLogger(__name__)
 MAX_KEY_DEPTH = 32
 """Deepest key (in ``/``-separated components) a listing descends to."""
 
-TMP_DIR = ".chkq-tmp"
-"""Top-level directory holding in-flight writes; never listed, never a valid key."""
-
-UPLOAD_SUFFIX = ".upload"
-"""Ending of a temporary in ``.chkq-tmp`` that holds an upload's parts."""
-
-_DIR_FLAGS = DIRECTORY
-_TEMP_FLAGS = CREATE
-_READ_FLAGS = READ_NONBLOCK
-
-
 class LocalDirectoryStore(CheckpointStore):
     """Objects as files under one directory.
 
-    Every write goes to a randomly named file in ``<root>/.chkq-tmp/``,
-    created with O_CREAT|O_EXCL|O_NOFOLLOW (same file system, so the final
-    step is a metadata operation), is fsynced, and is then moved into place:
-    ``renameat`` for :meth:`put` (atomic replace) or ``linkat`` for
-    :meth:`put_if_absent` (atomic create: the kernel refuses with EEXIST if
-    the name exists, across processes and NFS clients alike).  The containing
-    directory is fsynced too, so an acknowledged write survives a crash.
-    Readers therefore never see a partial object, and the temporary
-    directory is excluded from listings.
+    Every write goes to a file that no other user can reach: an ``O_TMPFILE``
+    file of the store's filesystem (no name at all, so a killed writer leaves
+    nothing), or, where the filesystem has none (NFS), a file in a new
+    directory of the writer's own (``<root>/.chkq-tmp-<random>``, mode
+    0700, removed afterwards). It gets its mode and owner
+    (:class:`~chkq.stores.base.FileAccess`) before it has a name, is
+    fsynced, and is then put into place: by ``linkat`` of its descriptor
+    for :meth:`put_if_absent` and uploads (atomic create: the kernel refuses
+    with EEXIST if the name exists, across processes and NFS clients alike),
+    by ``renameat`` out of the private directory for :meth:`put` (atomic
+    replace). The name made is then checked to be that very file (device and
+    inode). The containing directory is fsynced too, so an acknowledged
+    write survives a crash. Readers therefore never see a partial object, and
+    no directory another user could own (a ``.chkq-tmp`` someone planted) is
+    ever written through.
 
-    Reads never write: the root and ``.chkq-tmp`` are created on the first
-    write, not when the store is opened or read.  Symbolic links inside the
+    Reads never write: the root is created on the first write, not when
+    the store is opened or read.  Symbolic links inside the
     store are never followed (see the module docstring): an operation that
     meets one raises :class:`SymlinkInStoreError`, and listings skip them.
 
@@ -112,7 +121,7 @@ class LocalDirectoryStore(CheckpointStore):
     def _open_root(self, create: bool) -> int | None:
         """fd of the root; None if it is missing and ``create`` is False."""
         try:
-            return os.open(self._root, _DIR_FLAGS)
+            return os.open(self._root, DIR_FLAGS)
         except FileNotFoundError:
             if self._must_exist:
                 raise self._missing() from None
@@ -127,7 +136,7 @@ class LocalDirectoryStore(CheckpointStore):
                 ) from None
             raise
         os.makedirs(self._root, exist_ok=True)
-        return os.open(self._root, _DIR_FLAGS)
+        return os.open(self._root, DIR_FLAGS)
 
     def _open_dir(self, parts: Sequence[str], create: bool) -> int | None:
         """fd of ``root/parts``, each name opened with O_NOFOLLOW relative to the last.
@@ -177,7 +186,7 @@ class LocalDirectoryStore(CheckpointStore):
         """
         name = parts[depth]
         try:
-            return os.open(name, _DIR_FLAGS, dir_fd=fd)
+            return os.open(name, DIR_FLAGS, dir_fd=fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -202,8 +211,9 @@ class LocalDirectoryStore(CheckpointStore):
 
     def _parts(self, key: str) -> list[str]:
         parts = key.split("/")
-        if parts[0] == TMP_DIR:
-            raise InvalidKeyError(f"invalid store key {key!r}: {TMP_DIR!r} is reserved")
+        if reserved_name(parts[0]):
+            raise InvalidKeyError(f"invalid store key {key!r}: {TMP_DIR!r} and names starting "
+                                  f"{PRIVATE_PREFIX!r} are reserved")
         return parts
 
     def _lstat(self, fd: int | None, name: str) -> os.stat_result | None:
@@ -218,65 +228,39 @@ class LocalDirectoryStore(CheckpointStore):
     # writing ---------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _tmp_dir(self) -> Iterator[int]:
-        """fd of ``.chkq-tmp`` (created on the first write; a link there is refused).
+    def _temp(self, data: bytes, *, named: bool = False) -> Iterator[PrivateFile]:
+        """A new fsynced file of the store holding ``data`` that only this process can reach.
 
-        Opened before anything else of a write, so that a refused write
-        creates nothing.
+        ``named``: in a private directory (a rename needs a name to move),
+        even where the filesystem has ``O_TMPFILE``.
         """
-        fd = self._open_dir([TMP_DIR], create=True)
-        assert fd is not None
+        root = self._open_root(create=True)
+        assert root is not None
         try:
-            yield fd
+            temp = PrivateFile(self.url, root, named=named)
         finally:
-            os.close(fd)
-
-    @contextlib.contextmanager
-    def _temp(self, tmp_fd: int, data: bytes) -> Iterator[str]:
-        """The name, in directory ``tmp_fd``, of a new fsynced file holding ``data``.
-
-        The name is random and the file is created with O_EXCL|O_NOFOLLOW, so
-        a link planted at any name can never be written through; the
-        temporary is removed on the way out unless it was moved away.
-        """
-        while True:
-            name = f"{secrets.token_hex(16)}.tmp"
-            try:
-                fd = os.open(name, _TEMP_FLAGS, 0o644, dir_fd=tmp_fd)
-                break
-            except FileExistsError:
-                continue
+            os.close(root)
         try:
-            try:
-                view = memoryview(data)
-                while view:
-                    written = os.write(fd, view)
-                    view = view[written:]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            yield name
+            temp.write(data)
+            os.fsync(temp.fd)
+            yield temp
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=tmp_fd)
+            temp.close()
 
     def _put(self, key: str, data: bytes) -> None:
-        with self._tmp_dir() as tmp, self._parent(key, create=True) as (parent, name):
+        with self._parent(key, create=True) as (parent, name):
             assert parent is not None
-            with self._temp(tmp, data) as temp:
-                os.replace(temp, name, src_dir_fd=tmp, dst_dir_fd=parent)
+            with self._temp(data, named=True) as temp:
+                temp.replace(parent, name, key)
             os.fsync(parent)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
-        with self._tmp_dir() as tmp, self._parent(key, create=True) as (parent, name):
+        with self._parent(key, create=True) as (parent, name):
             assert parent is not None
             if self._lstat(parent, name) is not None:
                 return False
-            with self._temp(tmp, data) as temp:
-                try:
-                    os.link(temp, name, src_dir_fd=tmp, dst_dir_fd=parent,
-                            follow_symlinks=False)
-                except FileExistsError:
+            with self._temp(data) as temp:
+                if not temp.link(parent, name, key):
                     return False
             os.fsync(parent)
         return True
@@ -302,7 +286,7 @@ class LocalDirectoryStore(CheckpointStore):
             if parent is None:
                 raise KeyError(key)
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+                fd = os.open(name, READ_FLAGS, dir_fd=parent)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 raise KeyError(key) from None
             except OSError as exc:
@@ -322,7 +306,8 @@ class LocalDirectoryStore(CheckpointStore):
 
     @staticmethod
     def _stamp(found: os.stat_result) -> ObjectVersion:
-        return ObjectVersion(found.st_size, f"ino-mtime:{found.st_ino}:{found.st_mtime_ns}")
+        return stamp_of(found)
+
 
     def _version(self, key: str) -> ObjectVersion:
         with self._parent(key, create=False) as (parent, name):
@@ -337,7 +322,7 @@ class LocalDirectoryStore(CheckpointStore):
             if parent is None:
                 return None
             try:
-                fd = os.open(name, _READ_FLAGS, dir_fd=parent)
+                fd = os.open(name, READ_FLAGS, dir_fd=parent)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 return None
             except OSError as exc:
@@ -355,34 +340,64 @@ class LocalDirectoryStore(CheckpointStore):
             finally:
                 os.close(fd)
 
-    def link_from(self, key: str, path: str | os.PathLike[str]) -> bool:
-        """Make the local file ``path`` the object ``key`` by a hard link, create-if-absent.
+    @property
+    def supports_links(self) -> bool:
+        return True
+
+    def link_from(self, key: str, fd: int) -> ObjectVersion | None:
+        """Make the local file open as ``fd`` the object ``key`` by a hard link, create-if-absent.
 
         Where the store is a directory on the file's own filesystem, no byte
-        is copied: the object is the file itself. ``linkat`` fails if the key
+        is copied: the object is the file itself, with its mode and owner.
+        The descriptor is linked (``/proc/self/fd``), not a name, and the
+        name made is checked to be that file. ``linkat`` fails if the key
         exists, so this is create-if-absent against every other writer.
 
         Returns
         -------
-        bool
-            True if the object was made, False if an object already had the key.
+        ObjectVersion or None
+            The object's version (the file's inode and modification time), or
+            None if an object already had the key.
 
         Raises
         ------
         OSError
-            If the file cannot be linked there (another filesystem, or a
-            file the kernel will not let this user link); the caller copies.
+            If the file cannot be linked there (another filesystem, no
+            ``/proc``, or a file the kernel will not let this user link); the
+            caller copies.
+        StoredBytesMismatchError
+            If another file took the name right after the link.
         """
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise OSError(errno.EINVAL, "only a regular file is linked into a store", key)
         with self._parent(validate_key(key), create=True) as (parent, name):
             assert parent is not None
             if self._lstat(parent, name) is not None:
-                return False
+                return None
             try:
-                os.link(path, name, dst_dir_fd=parent, follow_symlinks=False)
+                os.link(fd_path(fd), name, dst_dir_fd=parent, follow_symlinks=True)
             except FileExistsError:
-                return False
+                return None
+            self._check_linked(parent, name, fd, key)
             os.fsync(parent)
-        return True
+        return self._stamp(os.fstat(fd))
+
+    def _check_linked(self, parent: int, name: str, fd: int, key: str) -> None:
+        """Make sure ``name`` in ``parent`` is the file open as ``fd`` (just linked or renamed).
+
+        Raises
+        ------
+        StoredBytesMismatchError
+            If it is another file: whoever can write the directory replaced
+            it at once; that file is left as it is.
+        """
+        mine, found = os.fstat(fd), self._lstat(parent, name)
+        if found is None or (found.st_dev, found.st_ino) != (mine.st_dev, mine.st_ino):
+            raise StoredBytesMismatchError(
+                f"store {self.url}: {key} was replaced by another file right after this "
+                "write made it (someone else writes the store's directory); that file was "
+                "left as found")
 
     def link_to(self, key: str, pinned: ObjectVersion, dir_fd: int, name: str) -> bool:
         """Hard-link the object ``key``, if it is still ``pinned``, as ``name`` in ``dir_fd``.
@@ -426,7 +441,7 @@ class LocalDirectoryStore(CheckpointStore):
     def _list(self, prefix: str) -> list[str]:
         directory, _, _ = prefix.rpartition("/")
         parts = directory.split("/") if directory else []
-        if parts and parts[0] == TMP_DIR:
+        if parts and reserved_name(parts[0]):
             return []
         fd = self._open_dir(parts, create=False)
         if fd is None:
@@ -463,7 +478,7 @@ class LocalDirectoryStore(CheckpointStore):
                                 self.url, sub, MAX_KEY_DEPTH)
                     continue
                 try:
-                    child = os.open(name, _DIR_FLAGS, dir_fd=parent)
+                    child = os.open(name, DIR_FLAGS, dir_fd=parent)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 except OSError as exc:
@@ -491,9 +506,11 @@ class LocalDirectoryStore(CheckpointStore):
         subdirs = []
         for name, is_dir, is_file in found:
             key = rel + name
+            if rel == "" and reserved_name(name):
+                continue
             if is_file and key.startswith(prefix):
                 keys.append(key)
-            elif is_dir and not (rel == "" and name == TMP_DIR):
+            elif is_dir:
                 sub = key + "/"
                 if sub.startswith(prefix) or prefix.startswith(sub):
                     subdirs.append(name)
@@ -520,41 +537,60 @@ class LocalDirectoryStore(CheckpointStore):
         return _LocalUpload(self, key)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
-        fd = self._open_dir([TMP_DIR], create=False)
+        """What killed writers left: this user's private directories, old ``.chkq-tmp`` uploads.
+
+        An ``O_TMPFILE`` write leaves nothing to list.
+        """
+        fd = self._open_root(create=False)
         if fd is None:
             return []
         try:
             found = []
             for name in os.listdir(fd):
-                if not name.endswith(UPLOAD_SUFFIX):
-                    continue
-                found_stat = self._lstat(fd, name)
-                if found_stat is not None and stat.S_ISREG(found_stat.st_mode):
-                    found.append(StrayUpload("", name, found_stat.st_mtime))
-            return sorted(found, key=lambda stray: stray.upload_id)
+                seen = self._lstat(fd, name)
+                if (name.startswith(PRIVATE_PREFIX) and seen is not None
+                        and stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid()):
+                    found.append(StrayUpload("", name, seen.st_mtime))
         finally:
             os.close(fd)
+        tmp = self._open_dir([TMP_DIR], create=False)
+        if tmp is not None:
+            try:
+                for name in os.listdir(tmp):
+                    seen = self._lstat(tmp, name)
+                    if name.endswith(UPLOAD_SUFFIX) and seen is not None \
+                            and stat.S_ISREG(seen.st_mode):
+                        found.append(StrayUpload("", name, seen.st_mtime))
+            finally:
+                os.close(tmp)
+        return sorted(found, key=lambda stray: stray.upload_id)
 
     def _abort_upload(self, stray: StrayUpload) -> None:
         name = stray.upload_id
-        if "/" in name or not name.endswith(UPLOAD_SUFFIX) or name.startswith("."):
+        private = name.startswith(PRIVATE_PREFIX)
+        if "/" in name or not (private or name.endswith(UPLOAD_SUFFIX)) \
+                or (name.startswith(".") and not private):
             raise InvalidKeyError(f"store {self.url}: {name!r} is not an upload of this store")
-        fd = self._open_dir([TMP_DIR], create=False)
+        fd = self._open_dir([] if private else [TMP_DIR], create=False)
         if fd is None:
             return
         try:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=fd)
+            if private:
+                remove_private(fd, name)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
         finally:
             os.close(fd)
 
 
 class _LocalUpload(PartsUpload):
-    """Parts appended to a temporary in ``.chkq-tmp``, fsynced and linked into place.
+    """Parts appended to a :class:`PrivateFile` only this process reaches, linked into place.
 
-    ``linkat`` fails if the key exists, so completion is create-if-absent
-    against every other writer; the temporary is named at random and
-    created with O_EXCL|O_NOFOLLOW, as every write of the store's.
+    The file gets the upload's :attr:`~chkq.stores.base.PartsUpload.access`
+    before it has a name; ``linkat`` fails if the key exists, so completion
+    is create-if-absent against every other writer, and the name made is
+    checked to be the file written.
     """
 
     store: LocalDirectoryStore
@@ -562,47 +598,38 @@ class _LocalUpload(PartsUpload):
     def __init__(self, store: LocalDirectoryStore, key: str) -> None:
         super().__init__(store, key)
         store._parts(key)
-        tmp = store._open_dir([TMP_DIR], create=True)
-        assert tmp is not None
-        self._tmp = tmp
-        while True:
-            self.upload_id = f"{secrets.token_hex(16)}{UPLOAD_SUFFIX}"
-            try:
-                self._fd = os.open(self.upload_id, _TEMP_FLAGS, 0o644, dir_fd=tmp)
-                break
-            except FileExistsError:
-                continue
+        root = store._open_root(create=True)
+        assert root is not None
+        try:
+            self._temp: PrivateFile | None = PrivateFile(store.url, root)
+        finally:
+            os.close(root)
+        self.upload_id = self._temp.dir_name
 
     def _write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
+        assert self._temp is not None
+        self._temp.write(data)
 
     def _complete(self) -> bool:
-        os.fsync(self._fd)
+        temp = self._temp
+        assert temp is not None
+        temp.give(self.access)
+        os.fsync(temp.fd)
         with self.store._parent(self.key, create=True) as (parent, name):
             assert parent is not None
             if self.store._lstat(parent, name) is not None:
                 return False
-            try:
-                os.link(self.upload_id, name, src_dir_fd=self._tmp, dst_dir_fd=parent,
-                        follow_symlinks=False)
-            except FileExistsError:
+            if not temp.link(parent, name, self.key):
                 return False
             os.fsync(parent)
-        self._close(unlink=True)
+        self.version = temp.version()
+        self._close()
         return True
 
-    def _close(self, unlink: bool) -> None:
-        """Close the temporary (removing it if ``unlink``) and the directory, once."""
-        if self._tmp < 0:
-            return
-        os.close(self._fd)
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.upload_id, dir_fd=self._tmp)
-        os.close(self._tmp)
-        self._fd = self._tmp = -1
+    def _close(self) -> None:
+        if self._temp is not None:
+            self._temp.close()
+            self._temp = None
 
     def _abort(self) -> None:
-        self._close(unlink=True)
+        self._close()

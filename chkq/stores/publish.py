@@ -14,7 +14,13 @@ A worker builds and verifies an output file in its own scratch directory;
   :meth:`~chkq.stores.base.CheckpointStore.stray_uploads` and removed by
   :func:`sweep_uploads`;
 * the stored bytes are shown equal to the local ones, the cheapest way the
-  store allows, and :attr:`Published.proof` says how.
+  store allows, and :attr:`Published.proof` says how; where the store tells
+  which object an upload made (a local directory: its inode), the object at
+  the key is checked to be that one before and after the proof, and a
+  read-back reads that object only;
+* where the store keeps files (a local directory), the object gets the
+  file's mode, owner and group before it has a name, as far as the worker
+  may (:class:`~chkq.stores.base.FileAccess`).
 
 The file is read once, one part at a time, hashing as it goes: the
 SHA-256 of the whole file, of each part and, where google-crc32c is
@@ -37,8 +43,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from chkq.errors import FileChangedError, StoredBytesMismatchError
-from chkq.stores.base import CheckpointStore, ObjectChecksums, StrayUpload, validate_key
-from chkq.stores.local import LocalDirectoryStore
+from chkq.stores.base import (
+    CheckpointStore,
+    FileAccess,
+    ObjectChecksums,
+    ObjectVersion,
+    StrayUpload,
+    validate_key,
+)
 
 try:
     import google_crc32c
@@ -226,7 +238,7 @@ def publish_file(store: CheckpointStore, key: str, path: str | os.PathLike[str],
         part_size = store.upload_part_size(wanted) or wanted
         if store.exists(key):
             return _published_already(store, key, source, handle, before, part_size, expected)
-        if isinstance(store, LocalDirectoryStore):
+        if store.supports_links:
             linked = _link(store, key, source, handle, before, part_size, expected)
             if linked is not None:
                 return linked
@@ -234,13 +246,15 @@ def publish_file(store: CheckpointStore, key: str, path: str | os.PathLike[str],
         return _upload(store, key, source, handle, before, part_size, expected)
 
 
-def _link(store: LocalDirectoryStore, key: str, source: Path, handle: BinaryIO,
+def _link(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
           before: os.stat_result, part_size: int, expected: str | None) -> Published | None:
-    """Publish by hard-linking the file into the store; None where it cannot be linked.
+    """Publish by hard-linking the open file into the store; None where it cannot be linked.
 
-    The file is hashed first (the result names its SHA-256); the object made
-    is then shown to be that very file (same inode, unchanged), so no byte is
-    copied or read back, and no part digest is needed.
+    The file is hashed first (the result names its SHA-256); its descriptor
+    is then linked (:meth:`~chkq.stores.base.CheckpointStore.link_from`), so
+    the object made is that very file, unchanged since it was hashed, with
+    its own mode and owner: no byte is copied or read back, and no part
+    digest is needed.
     """
     hasher = _Hasher(part_size, whole_only=True)
     for piece in _pieces(handle, part_size):
@@ -248,20 +262,40 @@ def _link(store: LocalDirectoryStore, key: str, source: Path, handle: BinaryIO,
     digests = hasher.digests()
     _check_unchanged(source, handle, before, digests, expected)
     try:
-        created = store.link_from(key, source)
+        made = store.link_from(key, handle.fileno())
     except OSError as exc:
+        if isinstance(exc, StoredBytesMismatchError):
+            raise
         log.info("store %s: %s cannot be linked (%s); copying it", store.url, source, exc)
         return None
-    if not created:
+    if made is None:
         handle.seek(0)
         return _published_already(store, key, source, handle, before, part_size, expected)
-    found = store.version(key)
-    if found != LocalDirectoryStore._stamp(before):
-        store.delete(key)
+    after = os.fstat(handle.fileno())
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+        if _still(store, key, made):
+            store.delete(key)
         raise FileChangedError(f"{source} changed while it was published; nothing is "
                                "published")
+    if not _still(store, key, made):
+        raise _replaced(store, key)
     return _published(store, key, digests, "local directory: the object is the published "
-                      "file itself, hard-linked (same inode and modification time)")
+                      "file itself, hard-linked by descriptor (same inode, unchanged)")
+
+
+def _still(store: CheckpointStore, key: str, made: ObjectVersion) -> bool:
+    """Whether the object at ``key`` is still the one this publish made."""
+    try:
+        return store.version(key) == made
+    except KeyError:
+        return False
+
+
+def _replaced(store: CheckpointStore, key: str) -> StoredBytesMismatchError:
+    return StoredBytesMismatchError(
+        f"store {store.url}: {key} was replaced by another object right after this publish "
+        "made it (someone else writes there); what is there was left as found and nothing "
+        "is published")
 
 
 def _check_unchanged(source: Path, handle: BinaryIO, before: os.stat_result,
@@ -302,7 +336,8 @@ def _published_already(store: CheckpointStore, key: str, source: Path, handle: B
 def _upload(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
             before: os.stat_result, part_size: int, expected: str | None) -> Published:
     hasher = _Hasher(part_size)
-    with store.upload(key, part_size=part_size, checksum=True) as upload:
+    with store.upload(key, part_size=part_size, checksum=True,
+                      access=FileAccess.of(before)) as upload:
         for piece in _pieces(handle, part_size):
             upload.write(piece, sha256=hasher.add(piece))
         digests = hasher.digests()
@@ -319,12 +354,17 @@ def _upload(store: CheckpointStore, key: str, source: Path, handle: BinaryIO,
             if proof is None:
                 raise
             return _published(store, key, digests, f"completion answer lost: {proof}")
+    made = upload.version
+    if made is not None and not _still(store, key, made):
+        raise _replaced(store, key)
     try:
-        proof = _proof(store, key, digests, own=True)
+        proof = _proof(store, key, digests, own=True, pinned=made)
     except KeyError:
         raise StoredBytesMismatchError(
             f"store {store.url}: {key} vanished right after it was published from "
             f"{source}") from None
+    if made is not None and not _still(store, key, made):
+        raise _replaced(store, key)
     if proof is None:
         try:
             store.delete(key)
@@ -358,7 +398,8 @@ def _published(store: CheckpointStore, key: str, digests: FileDigests, proof: st
     return Published(_object_url(store, key), key, digests.size, digests.sha256, proof)
 
 
-def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool) -> str | None:
+def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool,
+           pinned: ObjectVersion | None = None) -> str | None:
     """How the object ``key`` was shown to hold the bytes of ``digests``, or None if it does not.
 
     Parameters
@@ -369,6 +410,9 @@ def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool)
         then tell. An object of unknown origin is shown equal only by a
         collision-resistant digest: the composite SHA-256, where it was
         made from parts of the same size, else a read-back.
+    pinned
+        The version of the object this publish made, where the store told
+        it: a read-back then reads that version only.
 
     Raises
     ------
@@ -391,13 +435,19 @@ def _proof(store: CheckpointStore, key: str, digests: FileDigests, *, own: bool)
             return None
         return (f"GCS CRC32C of the composed object, computed by the store, is "
                 f"{checks.crc32c:08x}, as ours")
-    return _read_back(store, key, digests)
+    return _read_back(store, key, digests, pinned)
 
 
-def _read_back(store: CheckpointStore, key: str, digests: FileDigests) -> str | None:
+def _read_back(store: CheckpointStore, key: str, digests: FileDigests,
+               pinned: ObjectVersion | None = None) -> str | None:
     whole, offset = hashlib.sha256(), 0
     while True:
-        piece = store.get_range(key, offset, digests.part_size)
+        if pinned is None:
+            piece: bytes | None = store.get_range(key, offset, digests.part_size)
+        else:
+            piece = store.get_range_pinned(key, pinned, offset, digests.part_size)
+            if piece is None:
+                return None
         if not piece:
             break
         whole.update(piece)
@@ -406,7 +456,7 @@ def _read_back(store: CheckpointStore, key: str, digests: FileDigests) -> str | 
             return None
     if offset != digests.size or whole.hexdigest() != digests.sha256:
         return None
-    what = "re-read the linked file" if store.url.startswith("file:") else "read back"
+    what = "re-read the linked file" if store.supports_links else "read back"
     return f"{what}: {offset} bytes, SHA-256 {digests.sha256}, as ours"
 
 

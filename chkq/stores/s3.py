@@ -2,91 +2,50 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import contextvars
-import hashlib
-import os
-import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import (
     ClientError,
-    HTTPClientError,
-    IncompleteReadError,
-)
-from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
+    NoCredentialsError,
+    PartialCredentialsError,
 )
 
-from chkq.errors import BadNameError, StoredBytesMismatchError
-from chkq.stores.base import (
-    WRITE_ID_METADATA,
-    BucketStore,
-    ObjectChecksums,
-    ObjectVersion,
-    PartsUpload,
-    StoreTimeouts,
-    StrayUpload,
-    TransientStoreError,
-    bucket_prefix,
+from chkq import environment
+from chkq.errors import (
+    BadNameError,
+    StoreAccessError,
 )
+from chkq.stores.base import ObjectChecksums, ObjectVersion, StrayUpload
+from chkq.stores.bucket import WRITE_ID_METADATA, BucketStore
+from chkq.stores.keys import bucket_prefix
+from chkq.stores.retry import StoreTimeouts
+from chkq.stores.s3_errors import (
+    NO_BUCKET_CODES,
+    code_and_status,
+    is_denied,
+    is_not_found,
+    is_precondition_failed,
+    is_transient,
+)
+from chkq.stores.s3_upload import (  # noqa: F401 (the part limits re-exported)
+    MAX_COPY_PART,
+    MIN_PART,
+    PARTS_IN_FLIGHT,
+    MultipartUpload,
+)
+from chkq.stores.uploads import PartsUpload
 
 __all__ = ["S3Store"]
 
 MiB = 1 << 20
-MIN_PART = 5 * MiB
-"""S3's smallest part but for the last."""
-MAX_COPY_PART = 1 << 30
-#: Parts of one upload sent at once: S3 takes parts in any order, and one stream rarely
-#: fills the link; the caller's memory holds this many parts in flight at most.
-PARTS_IN_FLIGHT = 3
-"""Largest range copied server-side in one ``UploadPartCopy`` (S3 allows 5 GiB)."""
 
-_TRANSIENT_CODES = frozenset(
-    {
-        "ConditionalRequestConflict",
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeout",
-        "RequestTimeTooSkewed",
-        "InternalError",
-        "ServiceUnavailable",
-    }
-)
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_NO_BUCKET_CODES = frozenset({"NoSuchBucket"})
-_BAD_DIGEST_CODES = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch"})
-
-
-def _error(exc: ClientError) -> tuple[str, int]:
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
-
-
-def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, HTTPClientError | BotoConnectionError | IncompleteReadError):
-        return True
-    if isinstance(exc, ClientError):
-        code, status = _error(exc)
-        return code in _TRANSIENT_CODES or status >= 500 or status == 429
-    return False
-
-
-def _is_not_found(exc: ClientError) -> bool:
-    code, status = _error(exc)
-    return code in _NOT_FOUND_CODES or status == 404
-
-
-def _is_precondition_failed(exc: ClientError) -> bool:
-    code, status = _error(exc)
-    return code == "PreconditionFailed" or status == 412
+#: Where boto3 finds the credentials it sends, as the user sets them.
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN "
+                        "for temporary ones), or AWS_PROFILE with a credentials file")
 
 
 class S3Store(BucketStore):
@@ -105,7 +64,7 @@ class S3Store(BucketStore):
     stamped with a random write id in the object metadata
     (``x-amz-meta-chkq-write-id``); on 412 the object is read back
     (``HeadObject``) and the write counts as ours — True — if the id
-    matches (:meth:`~chkq.stores.base.BucketStore._written_by`).  409 ConditionalRequestConflict
+    matches (:meth:`~chkq.stores.bucket.BucketStore._written_by`).  409 ConditionalRequestConflict
     (a concurrent write in flight) and other transient errors are retried
     with backoff by :func:`chkq.stores.base.retry_transient`.
 
@@ -168,15 +127,16 @@ class S3Store(BucketStore):
                 connect_timeout=self.timeouts.connect,
                 read_timeout=self.timeouts.read,
             )
-            client = boto3.session.Session().client(
-                "s3",
-                endpoint_url=endpoint_url or None,
-                region_name=region_name
-                or os.environ.get("AWS_REGION")
-                or os.environ.get("AWS_DEFAULT_REGION"),
-                config=config,
-            )
+            session = boto3.session.Session()
+            where = {"endpoint_url": endpoint_url or None,
+                     "region_name": region_name or environment.aws_region()}
+            client = session.client("s3", config=config, **where)
+            completer = session.client(
+                "s3", config=config.merge(Config(read_timeout=self.timeouts.complete)), **where)
+        else:
+            completer = client
         self._client = client
+        self._completer = completer
 
     @property
     def url(self) -> str:
@@ -193,17 +153,58 @@ class S3Store(BucketStore):
         return self._client
 
     def _is_transient(self, exc: BaseException) -> bool:
-        return _is_transient(exc)
+        return is_transient(exc)
 
     def _is_missing_bucket(self, exc: BaseException) -> bool:
-        return isinstance(exc, ClientError) and _error(exc)[0] in _NO_BUCKET_CODES
+        return isinstance(exc, ClientError) and code_and_status(exc)[0] in NO_BUCKET_CODES
+
+    def _retry(self, operation: Any, what: str) -> Any:
+        """:meth:`BucketStore._retry`, missing or refused credentials said as a user fixes them.
+
+        Raises
+        ------
+        StoreAccessError
+            If boto3 found no credentials, or the store refused the ones sent
+            (403: unknown key, wrong secret, no permission), naming the store,
+            its endpoint, the credentials' source and the variables to set.
+        """
+        try:
+            return super()._retry(operation, what)
+        except (NoCredentialsError, PartialCredentialsError) as exc:
+            raise StoreAccessError(
+                f"store {self.url}: {what}: no AWS credentials ({exc}): set "
+                f"{CREDENTIAL_VARIABLES} for the user running chkq (on a cluster, for the "
+                "workers too)") from None
+        except ClientError as exc:
+            if not is_denied(exc):
+                raise
+            code, status = code_and_status(exc)
+            raise StoreAccessError(
+                f"store {self.url}: {what}: the store at {self._endpoint()} refused the "
+                f"credentials sent ({self._credentials_source()}): {status or '?'} "
+                f"{'Forbidden' if code == '403' else code}: check {CREDENTIAL_VARIABLES}, "
+                "and that they may use bucket "
+                f"{self._bucket!r} (AWS_ENDPOINT_URL names the store's endpoint)") from None
+
+    def _endpoint(self) -> str:
+        return str(getattr(self._client.meta, "endpoint_url", "") or "?")
+
+    def _credentials_source(self) -> str:
+        """``access key AKIA… from env``: which credentials were sent, never the secret."""
+        try:
+            found = self._client._request_signer._credentials
+            key = str(found.access_key or "")
+            method = str(getattr(found, "method", "") or "?")
+        except AttributeError:
+            return "source unknown"
+        return f"access key {key[:4]}… from {method}"
 
     def _available(self) -> bool:
         def attempt() -> bool:
             try:
                 self._client.head_bucket(Bucket=self._bucket)
             except ClientError as exc:
-                if _is_not_found(exc) or _error(exc)[0] in _NO_BUCKET_CODES:
+                if is_not_found(exc) or code_and_status(exc)[0] in NO_BUCKET_CODES:
                     return False
                 raise
             return True
@@ -236,8 +237,8 @@ class S3Store(BucketStore):
                         Metadata=metadata,
                     )
             except ClientError as exc:
-                code, _ = _error(exc)
-                if _is_precondition_failed(exc) or code == "NoSuchUpload":
+                code, _ = code_and_status(exc)
+                if is_precondition_failed(exc) or code == "NoSuchUpload":
                     return self._written_by(self._metadata(name), write_id, name)
                 raise
             return True
@@ -249,7 +250,7 @@ class S3Store(BucketStore):
         try:
             head = self._client.head_object(Bucket=self._bucket, Key=name)
         except ClientError as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 return None
             raise
         return dict(head.get("Metadata", {}))
@@ -271,7 +272,7 @@ class S3Store(BucketStore):
                 )
                 parts.append({"ETag": answer["ETag"], "PartNumber": number})
             extra = {"IfNoneMatch": "*"} if conditional else {}
-            self._client.complete_multipart_upload(
+            self._completer.complete_multipart_upload(
                 Bucket=self._bucket, Key=name, UploadId=upload_id,
                 MultipartUpload={"Parts": parts}, **extra,
             )
@@ -310,9 +311,9 @@ class S3Store(BucketStore):
             try:
                 answer = self._client.get_object(Bucket=self._bucket, Key=name, **ranged)
             except ClientError as exc:
-                if _is_not_found(exc):
+                if is_not_found(exc):
                     raise KeyError(key) from None
-                if _error(exc)[0] == "InvalidRange":
+                if code_and_status(exc)[0] == "InvalidRange":
                     return b""
                 raise
             body = answer["Body"]
@@ -330,7 +331,7 @@ class S3Store(BucketStore):
                     self._client.head_object(Bucket=self._bucket, Key=self._prefix + key)
                 )
             except ClientError as exc:
-                if _is_not_found(exc):
+                if is_not_found(exc):
                     return None
                 raise
 
@@ -377,7 +378,7 @@ class S3Store(BucketStore):
                     Bucket=self._bucket, Key=name, IfMatch=etag,
                     Range=f"bytes={start}-{start + length - 1}")
             except ClientError as exc:
-                if _is_not_found(exc) or _is_precondition_failed(exc):
+                if is_not_found(exc) or is_precondition_failed(exc):
                     return None
                 raise
             body = answer["Body"]
@@ -418,8 +419,9 @@ class S3Store(BucketStore):
     # publishing from parts -----------------------------------------------------------
 
     def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
-        return _MultipartUpload(self, key, part_size=part_size or self.part_size,
-                                checksum=checksum)
+        return MultipartUpload(self, key, client=self._client, completer=self._completer,
+                               prefix=self._prefix, metadata=self._metadata,
+                               part_size=part_size or self.part_size, checksum=checksum)
 
     def upload_part_size(self, requested: int | None = None) -> int | None:
         super().upload_part_size(requested)
@@ -438,7 +440,7 @@ class S3Store(BucketStore):
                 return dict(self._client.head_object(Bucket=self._bucket, Key=name,
                                                      ChecksumMode="ENABLED"))
             except ClientError as exc:
-                if _is_not_found(exc):
+                if is_not_found(exc):
                     return None
                 raise
 
@@ -472,213 +474,7 @@ class S3Store(BucketStore):
                 self._client.abort_multipart_upload(
                     Bucket=self._bucket, Key=self._prefix + stray.key, UploadId=stray.upload_id)
             except ClientError as exc:
-                if _error(exc)[0] != "NoSuchUpload":
+                if code_and_status(exc)[0] != "NoSuchUpload":
                     raise
 
         self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
-
-
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode("ascii")
-
-
-class _MultipartUpload(PartsUpload):
-    """A multipart upload completed with ``If-None-Match: *``.
-
-    Written bytes are buffered into parts of ``part_size``; a copied range
-    of at least :data:`MIN_PART` bytes goes server-side (``UploadPartCopy``)
-    once the buffer is flushed, so that every part but the last is at least
-    5 MiB. A write of a whole part at a part boundary is sent as it is, not
-    buffered. The completion carries a write id, so that a completion whose
-    answer was lost and that is resent is recognised as this upload's own
-    (the resend fails with 412 or NoSuchUpload).
-
-    With ``checksum`` the upload is created with ``ChecksumAlgorithm=SHA256``:
-    each part goes with its SHA-256 (the caller's, or computed here), which
-    S3 checks against the bytes it received (``BadDigest`` if they differ);
-    the digest S3 answers must be the one sent, the completion lists every
-    part's, and the object keeps the composite SHA-256 of its parts.
-    """
-
-    store: S3Store
-
-    def __init__(self, store: S3Store, key: str, *, part_size: int,
-                 checksum: bool = False) -> None:
-        super().__init__(store, key)
-        self._name = store._prefix + key
-        self._write_id = uuid.uuid4().hex
-        self._parts: list[dict[str, Any]] = []
-        self._next_part = 1
-        self._sending: list[Future[dict[str, Any]]] = []
-        self._slots = threading.BoundedSemaphore(PARTS_IN_FLIGHT)
-        self._pool: ThreadPoolExecutor | None = None
-        self._buffer = bytearray()
-        self._buffer_sha256: bytes | None = None
-        self.part_size = max(part_size, MIN_PART)
-        self._checksum = checksum
-        client = store.client
-        extra = {"ChecksumAlgorithm": "SHA256"} if checksum else {}
-        answer = store._retry(
-            lambda: client.create_multipart_upload(
-                Bucket=store.bucket, Key=self._name,
-                Metadata={WRITE_ID_METADATA: self._write_id}, **extra),
-            f"start upload of {key}")
-        self.upload_id: str = answer["UploadId"]
-
-    def _flush(self, final: bool = False) -> None:
-        size = self.part_size
-        assert size is not None
-        while len(self._buffer) >= size or (final and self._buffer):
-            sha256 = self._buffer_sha256 if len(self._buffer) <= size else None
-            piece = bytes(self._buffer[:size])
-            del self._buffer[:size]
-            self._buffer_sha256 = None
-            self._send(piece, sha256)
-
-    def _number(self) -> int:
-        number, self._next_part = self._next_part, self._next_part + 1
-        return number
-
-    def _send(self, piece: bytes, sha256: bytes | None = None) -> None:
-        """Send a part in the background, at most :data:`PARTS_IN_FLIGHT` at once.
-
-        A part that failed fails the next write or the completion; the
-        store's retries and their budget (a context variable) go with it.
-        """
-        self._raise_failed()
-        number = self._number()
-        self._slots.acquire()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(PARTS_IN_FLIGHT, thread_name_prefix="chkq-s3-part")
-        context = contextvars.copy_context()
-        try:
-            future = self._pool.submit(context.run, self._send_part, number, piece, sha256)
-        except BaseException:
-            self._slots.release()
-            raise
-        future.add_done_callback(lambda _: self._slots.release())
-        self._sending.append(future)
-
-    def _raise_failed(self) -> None:
-        for future in self._sending:
-            if future.done() and future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-
-    def _sent(self) -> None:
-        """Wait for every part in flight; their entries join the upload's parts."""
-        sending, self._sending = self._sending, []
-        try:
-            for future in sending:
-                self._parts.append(future.result())
-        finally:
-            for future in sending:
-                future.cancel()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
-        self._parts.sort(key=lambda part: int(part["PartNumber"]))
-
-    def _send_part(self, number: int, piece: bytes, sha256: bytes | None) -> dict[str, Any]:
-        store = self.store
-        extra: dict[str, str] = {}
-        if self._checksum:
-            sent = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
-            extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": sent}
-        try:
-            answer = store._retry(
-                lambda: store.client.upload_part(
-                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                    PartNumber=number, Body=piece, **extra),
-                f"upload part {number} of {self.key}")
-        except ClientError as exc:
-            if extra and _error(exc)[0] in _BAD_DIGEST_CODES:
-                raise StoredBytesMismatchError(
-                    f"store {store.url}: part {number} of {self.key}: the store received "
-                    f"bytes whose SHA-256 is not the {extra['ChecksumSHA256']} sent "
-                    f"({_error(exc)[0]})") from exc
-            raise
-        part = {"ETag": answer["ETag"], "PartNumber": number}
-        if extra:
-            received = answer.get("ChecksumSHA256")
-            if received is not None and received != extra["ChecksumSHA256"]:
-                raise StoredBytesMismatchError(
-                    f"store {store.url}: part {number} of {self.key}: the store received "
-                    f"bytes with SHA-256 {received}, not the {extra['ChecksumSHA256']} sent")
-            part["ChecksumSHA256"] = extra["ChecksumSHA256"]
-        return part
-
-    def _write(self, data: bytes) -> None:
-        self._buffer += data
-        self._buffer_sha256 = None
-        self._flush()
-
-    def _write_hashed(self, data: bytes, sha256: bytes) -> None:
-        if self._buffer:
-            self._write(data)
-        elif len(data) == self.part_size:
-            self._send(data, sha256)
-        else:
-            self._buffer += data
-            self._buffer_sha256 = sha256
-            self._flush()
-
-    def _copy(self, source: str, start: int, length: int) -> None:
-        end = start + length
-        size = self.part_size
-        assert size is not None
-        if self._buffer:
-            fill = min(size - len(self._buffer), length)
-            self._write(self.store.get_range(source, start, fill))
-            start += fill
-        while end - start >= MIN_PART and not self._buffer:
-            chunk = min(MAX_COPY_PART, end - start)
-            self._copy_part(source, start, chunk)
-            start += chunk
-        if start < end:
-            super()._copy(source, start, end - start)
-
-    def _copy_part(self, source: str, start: int, size: int) -> None:
-        store, number = self.store, self._number()
-        answer = store._retry(
-            lambda: store.client.upload_part_copy(
-                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                PartNumber=number,
-                CopySource={"Bucket": store.bucket, "Key": store._prefix + source},
-                CopySourceRange=f"bytes={start}-{start + size - 1}"),
-            f"copy part {number} of {self.key} from {source}")
-        result = answer["CopyPartResult"]
-        part = {"ETag": result["ETag"], "PartNumber": number}
-        if self._checksum and result.get("ChecksumSHA256"):
-            part["ChecksumSHA256"] = result["ChecksumSHA256"]
-        self._parts.append(part)
-
-    def _complete(self) -> bool:
-        self._flush(final=True)
-        store = self.store
-        if self._next_part == 1:
-            self._send(b"")
-        self._sent()
-
-        def attempt() -> bool:
-            try:
-                store.client.complete_multipart_upload(
-                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                    MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
-            except ClientError as exc:
-                code, status = _error(exc)
-                if _is_precondition_failed(exc) or code == "NoSuchUpload":
-                    return store._written_by(store._metadata(self._name), self._write_id,
-                                             self._name)
-                if code == "ConditionalRequestConflict" or status == 409:
-                    raise TransientStoreError(
-                        f"store {store.url}: upload of {self.key}: a concurrent conditional "
-                        "write conflicted with its completion; start the upload again") from exc
-                raise
-            return True
-
-        return store._retry(attempt, f"complete upload of {self.key}")
-
-    def _abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._sent()
-        self.store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))

@@ -20,6 +20,7 @@ from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from chkq.errors import BadNameError
 from chkq.stores.base import CheckpointStore
+from chkq.stores.retry import StoreTimeouts
 
 __all__ = ["StoreLocation", "open_store", "parse_store_url"]
 
@@ -56,7 +57,8 @@ class StoreLocation:
     bucket: str = ""
     prefix: str = ""
 
-    def open(self, *, must_exist: bool = False) -> CheckpointStore:
+    def open(self, *, must_exist: bool = False,
+             timeouts: StoreTimeouts | None = None) -> CheckpointStore:
         """Return the store at this location.
 
         Parameters
@@ -68,6 +70,8 @@ class StoreLocation:
             want). Without it the directory is created on the first write,
             and reads of a missing directory find nothing. Ignored by the
             other schemes.
+        timeouts
+            Waits of an S3 or GCS store (default: the environment's); ignored by the others.
         """
         if self.scheme == "file":
             from chkq.stores.local import LocalDirectoryStore
@@ -81,10 +85,10 @@ class StoreLocation:
         if self.scheme == "s3":
             from chkq.stores.s3 import S3Store
 
-            return S3Store(self.bucket, self.prefix)
+            return S3Store(self.bucket, self.prefix, timeouts=timeouts)
         from chkq.stores.gcs import GCSStore
 
-        return GCSStore(self.bucket, self.prefix)
+        return GCSStore(self.bucket, self.prefix, timeouts=timeouts)
 
 
 def _local_path(url: str, netloc: str, raw_path: str) -> Path:
@@ -150,7 +154,8 @@ def parse_store_url(url: str) -> StoreLocation:
     return StoreLocation(url, scheme, bucket=parts.netloc, prefix=prefix.strip("/"))
 
 
-def open_store(url: str, *, must_exist: bool = False) -> CheckpointStore:
+def open_store(url: str, *, must_exist: bool = False,
+               timeouts: StoreTimeouts | None = None) -> CheckpointStore:
     """Return the store named by ``url``.
 
     Parameters
@@ -164,10 +169,13 @@ def open_store(url: str, *, must_exist: bool = False) -> CheckpointStore:
     must_exist
         See :meth:`StoreLocation.open`: read-only commands pass True, so
         that a mistyped ``file://`` directory is an error, not an empty log.
+    timeouts
+        Waits of an S3 or GCS store; default: the environment's ``CHKQ_STORE_*``
+        (:meth:`chkq.stores.retry.StoreTimeouts.from_env`).
 
     Raises
     ------
     ValueError
         As :func:`parse_store_url`.
     """
-    return parse_store_url(url).open(must_exist=must_exist)
+    return parse_store_url(url).open(must_exist=must_exist, timeouts=timeouts)

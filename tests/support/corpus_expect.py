@@ -1,6 +1,6 @@
 """An independent model of what a consolidated output must be, and a comparator.
 
-Written from the README's "Fidelity" section without importing anything from
+Written from the "Fidelity" section of docs/consolidation.md without importing anything from
 chkq: the output is the final checkpoint's first file (the *template*) with
 every extensible dataset's rows replaced by the concatenation of the rows of
 every source file, in the order given.
@@ -392,6 +392,21 @@ def is_extensible(ds: h5py.Dataset) -> bool:
     return any(m == h5s.UNLIMITED for m in space.get_simple_extent_dims(maxdims=True))
 
 
+def _chunk_opts(dcpl: Any) -> int:
+    """``H5Pget_chunk_opts`` (h5py does not wrap it), through the library h5py loaded."""
+    import ctypes
+    import glob
+    import os
+
+    libs = glob.glob(os.path.join(os.path.dirname(h5py.__file__), os.pardir, "h5py.libs",
+                                  "libhdf5-*.so*"))
+    lib = ctypes.CDLL(libs[0] if libs else "libhdf5.so")
+    value = ctypes.c_uint(0)
+    if lib.H5Pget_chunk_opts(ctypes.c_int64(dcpl.id), ctypes.byref(value)) < 0:
+        raise RuntimeError("H5Pget_chunk_opts failed")
+    return int(value.value)
+
+
 def dataset_props(ds: h5py.Dataset) -> dict[str, Any]:
     """Creation properties (allocation time separately, in ``alloc_time``)."""
     dcpl = ds.id.get_create_plist()
@@ -399,6 +414,7 @@ def dataset_props(ds: h5py.Dataset) -> dict[str, Any]:
     props: dict[str, Any] = {"layout": layout}
     if layout == h5d.CHUNKED:
         props["chunk"] = dcpl.get_chunk()
+        props["chunk_opts"] = _chunk_opts(dcpl)
     props["filters"] = [
         (code, flags, tuple(values), name)
         for code, flags, values, name in (dcpl.get_filter(i) for i in range(dcpl.get_nfilters()))

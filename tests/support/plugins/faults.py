@@ -7,7 +7,7 @@ directory exactly as it was: no output, no temporaries.
 
 from __future__ import annotations
 
-import gc
+import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -16,10 +16,11 @@ from typing import Any
 
 import pytest
 import redis
+from celery import Celery
 
 from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.demo import RunShape
-from chkq.tasks.base import deliveries_key
+from chkq.jobs.keys import deliveries as deliveries_key
 from chkq.tasks.consolidate import task_id
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import ConsolidationJob
@@ -117,10 +118,30 @@ class Cluster:
         use_app(self.previous)
 
     def close(self) -> None:
+        forget_results(self.app)
         for worker in self.workers:
             worker.kill()
         close_app(self.app)
         self.redis.close()
+
+
+def forget_results(app: Celery) -> None:
+    """Drop ``app``'s result subscriptions without a word to its Redis (maybe killed by now).
+
+    Celery unsubscribes from a task's result when its AsyncResult is collected, which
+    may be long after the cluster is gone (a reference cycle waits for the collector):
+    an unsubscription then retries its dead Redis for 20 s, in whichever test the
+    collector happens to run. Forgotten here, the handles have nothing left to undo.
+    """
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is None:
+        return
+    consumer.subscribed_to.clear()
+    consumer._pending_unsubscribe.clear()
+    pubsub, consumer._pubsub = consumer._pubsub, None
+    if pubsub is not None:
+        with contextlib.suppress(Exception):
+            pubsub.close()
 
 
 @pytest.fixture
@@ -138,9 +159,6 @@ def make_cluster(redis_server: PrivateRedis, tmp_path: Path) -> Iterator[Callabl
     try:
         yield make
     finally:
-        # Result handles of the test unsubscribe from their Redis when collected:
-        # let them do so while it still answers.
-        gc.collect()
         for cluster in reversed(clusters):
             cluster.release()
         for cluster in clusters:

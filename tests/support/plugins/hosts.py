@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 
 from chkq.workers.broker import free_port
-from chkq.workers.launch import kill_worker, launch_worker, stop_worker
+from chkq.workers.runtime.launch import kill_worker, launch_worker, stop_worker
+from support.machine import machine_lock
 
 #: Third octet range of the private subnets: 10.231.N.0/24 on a bridge of the test's own.
 SUBNET_PREFIX = "10.231"
@@ -100,9 +101,9 @@ class Hosts:
 
     def __init__(self, amqp_port: int | None = 5672) -> None:
         self.id = uuid.uuid4().hex[:5]
-        self.subnet = f"{SUBNET_PREFIX}.{random.randint(1, 250)}"
+        self.subnet = ""
         self.bridge = f"cqbr{self.id}"
-        self.address = f"{self.subnet}.1"
+        self.address = ""
         self.amqp_port = amqp_port
         self.hosts: list[Host] = []
         self.processes: list[subprocess.Popen[bytes]] = []
@@ -113,8 +114,14 @@ class Hosts:
     # ---------------------------------------------------------------- set-up
 
     def start(self) -> Hosts:
-        ip("link", "add", self.bridge, "type", "bridge")
-        ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
+        with machine_lock("subnets.lock"):
+            # Tests run side by side: a subnet no other bridge of the machine has now.
+            taken = ip("-o", "-4", "addr", "show")
+            free = [n for n in range(1, 251) if f" {SUBNET_PREFIX}.{n}." not in taken]
+            self.subnet = f"{SUBNET_PREFIX}.{random.choice(free)}"
+            self.address = f"{self.subnet}.1"
+            ip("link", "add", self.bridge, "type", "bridge")
+            ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
         ip("link", "set", self.bridge, "up")
         redis = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(self.redis_port),
@@ -213,8 +220,12 @@ class Hosts:
 @pytest.fixture
 def hosts() -> Iterator[Hosts]:
     """A bridge and the broker host for one test; hosts added with ``add_host``."""
-    if os.geteuid() != 0 or shutil.which("socat") is None:
-        pytest.fail("the several-hosts tests need root (ip netns) and socat")
+    if os.geteuid() != 0:
+        pytest.fail("the several-hosts tests need root (they make network namespaces with "
+                    "`ip netns`): run the suite as root, as CI does")
+    if shutil.which("socat") is None:
+        pytest.fail("the several-hosts tests need socat on PATH (it relays RabbitMQ to the "
+                    "hosts' bridge): `apt-get install socat`")
     harness = Hosts().start()
     try:
         yield harness

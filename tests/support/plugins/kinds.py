@@ -76,25 +76,37 @@ def _refuse(what: str) -> Any:
     return refused
 
 
+def _refuse_children(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Every way to start a child process raises, naming ``where``, until undone."""
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse(f"a child process{where}"))
+    monkeypatch.setattr(subprocess, "_fork_exec", _refuse(f"a child process{where}"))
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+        monkeypatch.setattr(os, name, _refuse(f"a child process (os.{name}){where}"))
+
+
 @pytest.fixture(autouse=True)
 def _one_process(request: pytest.FixtureRequest,
                  monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A ``unit`` test runs in this process: every way to start a child raises."""
     if request.node.get_closest_marker("unit") is not None:
-        monkeypatch.setattr(_posixsubprocess, "fork_exec", _refuse("a child process"))
-        monkeypatch.setattr(subprocess, "_fork_exec", _refuse("a child process"))
-        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
-            monkeypatch.setattr(os, name, _refuse(f"a child process (os.{name})"))
+        _refuse_children(monkeypatch, "")
     yield
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any],
-                         request: pytest.FixtureRequest) -> None:
-    """A ``unit`` test that asks for a server's fixture at run time is not one."""
+                         request: pytest.FixtureRequest) -> Iterator[None]:
+    """A ``unit`` test whose fixtures (of any scope) start servers or children is not one."""
     item = getattr(request, "_pyfuncitem", None)
-    if (fixturedef.argname in CLUSTER_FIXTURES | INTEGRATION_FIXTURES and item is not None
-            and item.get_closest_marker("unit") is not None):
+    unit = item is not None and item.get_closest_marker("unit") is not None
+    if unit and fixturedef.argname in CLUSTER_FIXTURES | INTEGRATION_FIXTURES:
         raise AssertionError(
             f"a unit test asked for fixture {fixturedef.argname!r} at run time: mark it "
             "`pytest.mark.integration` or `pytest.mark.cluster`")
+    if not unit or fixturedef.scope == "function":
+        # A test's own fixtures run under ``_one_process`` (autouse, so set up first).
+        yield
+        return
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _refuse_children(monkeypatch, f" in fixture {fixturedef.argname!r}")
+        yield

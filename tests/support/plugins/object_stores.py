@@ -187,10 +187,13 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._lose_prefix: bytes | None = None
         self._answer: tuple[bytes, bytes] | None = None
+        self._hold: tuple[bytes, float] | None = None
+        self._busy: tuple[tuple[bytes, ...], bytes, float] = ((), b"", 0.0)
         self._down_until = 0.0
         self._sockets: set[socket.socket] = set()
         self._closed = False
         self.lost = 0
+        self.held = 0
         self.answered = 0
         self.refused = 0
         threading.Thread(target=self._accept, daemon=True).start()
@@ -204,6 +207,16 @@ class FaultProxy:
         """Answer the next request starting with ``request_prefix`` with ``response`` itself."""
         with self._lock:
             self._answer = (request_prefix, response)
+
+    def hold_next(self, request_prefix: bytes, seconds: float, busy: tuple[bytes, ...] = (),
+                  answer: bytes = b"") -> None:
+        """Hold the next request starting with ``request_prefix`` for ``seconds`` before
+        forwarding it (the server then acts late, whether or not its client still waits);
+        meanwhile answer every request starting with one of ``busy`` with ``answer`` itself,
+        as a server still busy with the first would."""
+        with self._lock:
+            self._hold = (request_prefix, seconds)
+            self._busy = (busy, answer, 0.0)
 
     def go_down(self, seconds: float) -> None:
         """Cut every open connection and refuse new ones for ``seconds``."""
@@ -272,12 +285,23 @@ class FaultProxy:
                 chunk = client.recv(1 << 16)
                 if not chunk:
                     break
+                held = 0.0
                 with self._lock:
                     answer = None
+                    busy, busy_answer, busy_until = self._busy
                     if self._answer is not None and chunk.startswith(self._answer[0]):
                         answer, self._answer = self._answer[1], None
+                    elif self._hold is not None and chunk.startswith(self._hold[0]):
+                        held, self._hold = self._hold[1], None
+                        self._busy = (busy, busy_answer, time.monotonic() + held)
+                    elif (time.monotonic() < busy_until
+                          and any(chunk.startswith(prefix) for prefix in busy)):
+                        answer = busy_answer
                     elif self._lose_prefix is not None and chunk.startswith(self._lose_prefix):
                         state["lose"], self._lose_prefix = True, None
+                if held:
+                    time.sleep(held)
+                    self.held += 1
                 if answer is not None:
                     _read_request_body(client, chunk)
                     client.sendall(answer)

@@ -31,11 +31,12 @@ def rabbitmqctl(*args: str, timeout: float = 60.0) -> str:
 def rabbitmq_available() -> str | None:
     """Why RabbitMQ cannot serve the tests here, or None when it can."""
     if shutil.which("rabbitmqctl") is None:
-        return "rabbitmqctl is not on PATH (install rabbitmq-server)"
+        return ("rabbitmqctl is not on PATH: `apt-get install rabbitmq-server`, then "
+                "`rabbitmq-server -detached` (as .ci/run does)")
     try:
         rabbitmqctl("status", timeout=30)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
-        return f"rabbitmq-server is not running: {exc}"
+        return f"rabbitmq-server is not running (start it: `rabbitmq-server -detached`): {exc}"
     return None
 
 

@@ -3,10 +3,18 @@
 Claims about trust between users are shown with the users real: the test process is root
 (as a worker running under a service account is more privileged than the users it serves),
 and the fixtures here create two ordinary accounts with ``useradd`` and run commands as each.
+
+Each test process has accounts of its own (a pytest-xdist worker's names end with its id),
+so that tests running side by side never see each other's processes under one uid. What
+the machine shares (``/etc/passwd``, the modes of the interpreter's directories) is changed
+under a file lock: :func:`machine_lock`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
 import os
 import pwd
 import shutil
@@ -19,8 +27,12 @@ from pathlib import Path
 
 import pytest
 
-VICTIM = "chkqvictim"
-ATTACKER = "chkqattacker"
+from support.machine import SHARED_DIR, machine_lock
+
+#: This test process's suffix: the pytest-xdist worker id (``gw0``), none when run alone.
+SUFFIX = os.environ.get("PYTEST_XDIST_WORKER", "")
+VICTIM = f"chkqvictim{SUFFIX}"
+ATTACKER = f"chkqattacker{SUFFIX}"
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,13 @@ class LocalUser:
         return subprocess.run(list(argv), env=environment, cwd=cwd or self.home, user=self.uid,
                               group=self.gid, extra_groups=[], capture_output=True,
                               timeout=timeout, input=input, check=False)
+
+    def chkq(self, *args: str, env: Mapping[str, str] | None = None
+             ) -> subprocess.CompletedProcess[bytes]:
+        """Run the ``chkq`` command line as this user, with a umask that keeps nothing private
+        (what the command makes private, it makes so itself)."""
+        return self.run(["sh", "-c", 'umask 000; exec "$@"', "sh", sys.executable, "-m",
+                         "chkq.workers.cli", *args], env=env)
 
     def python(self, code: str, env: Mapping[str, str] | None = None,
                timeout: float = 120.0) -> subprocess.CompletedProcess[bytes]:
@@ -64,11 +83,12 @@ class LocalUser:
 
 
 def _ensure_user(name: str) -> None:
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True,
-                       capture_output=True)
+    with machine_lock("passwd.lock"):
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name],
+                           check=True, capture_output=True)
 
 
 def _grant_traverse(paths: list[Path]) -> dict[Path, int]:
@@ -89,6 +109,40 @@ def _grant_traverse(paths: list[Path]) -> dict[Path, int]:
     return changed
 
 
+@contextlib.contextmanager
+def _traverse_granted(paths: list[Path]) -> Iterator[None]:
+    """Other users may traverse ``paths``' ancestors while any test process of the machine needs it.
+
+    Every test process holds ``grants.lock`` shared for as long as its users run; the
+    original modes are kept in ``grants.json``. Whoever can take the lock exclusively on
+    the way out (no one else holds it) puts them back.
+    """
+    state = SHARED_DIR / "grants.json"
+    with machine_lock("grants.state"):
+        saved = json.loads(state.read_text()) if state.exists() else {}
+        for path, mode in _grant_traverse(paths).items():
+            saved.setdefault(str(path), mode)
+        state.write_text(json.dumps(saved))
+        holder = os.open(SHARED_DIR / "grants.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                         0o600)
+        fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        with machine_lock("grants.state"):
+            try:
+                fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:
+                saved = json.loads(state.read_text()) if state.exists() else {}
+                for path, mode in saved.items():
+                    with contextlib.suppress(OSError):
+                        Path(path).chmod(mode)
+                state.unlink(missing_ok=True)
+            os.close(holder)
+
+
 def _interpreter_reachable(user: LocalUser) -> None:
     probe = user.python("import chkq")
     if probe.returncode != 0:
@@ -101,7 +155,8 @@ def _interpreter_reachable(user: LocalUser) -> None:
 def local_users() -> Iterator[tuple[LocalUser, LocalUser]]:
     """(victim, attacker): two real accounts, each with a fresh private home for this session."""
     if os.geteuid() != 0:
-        pytest.fail("tests of trust between local users need root (useradd, setuid)")
+        pytest.fail("tests of trust between local users need root (they create two accounts "
+                    "with useradd and run commands as each): run the suite as root, as CI does")
     base = Path(tempfile.mkdtemp(prefix="chkq-users-"))
     base.chmod(0o711)
     users = []
@@ -115,12 +170,21 @@ def local_users() -> Iterator[tuple[LocalUser, LocalUser]]:
     victim, attacker = users
     import chkq
 
-    restore = _grant_traverse([Path(os.path.realpath(sys.executable)).parent,
-                               Path(sys.prefix), Path(chkq.__file__).resolve().parent])
     try:
-        _interpreter_reachable(victim)
-        yield victim, attacker
+        with _traverse_granted([Path(os.path.realpath(sys.executable)).parent,
+                                Path(sys.prefix), Path(chkq.__file__).resolve().parent]):
+            _interpreter_reachable(victim)
+            yield victim, attacker
     finally:
-        for path, mode in restore.items():
-            path.chmod(mode)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A directory both users can write to (a project's shared store space)."""
+    path = Path(tempfile.mkdtemp(prefix="chkq-shared-"))
+    path.chmod(0o777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,5 @@
+"""``python -m chkq.workers.cli``: the ``chkq`` command."""
+
+from chkq.workers.cli import run
+
+run()
