@@ -2,7 +2,7 @@
 
 The merge copies the heap collections a block of source rows points into
 and writes the rows' heap IDs, their addresses moved
-(``chkq.consolidation.vlen.HeapWriter``); verification proves such rows
+(``chkq.consolidation.heap_collections.HeapWriter``); verification proves such rows
 from the stored bytes of both files (``same_heap_rows``) and compares
 anything else through HDF5. With the merge's blocks and items cut small, a
 block boundary falls inside files and inside heap collections. Each test
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from h5py import h5s
 
-from chkq.consolidation import merge, vlen
+from chkq.consolidation import heap_collections, merge, vlen
 from chkq.consolidation.merge import merge_items, merge_parts, merge_piece
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.prepare import prepare
@@ -138,9 +138,9 @@ def test_the_rows_moved_as_stored_are_proven_from_the_stored_bytes(
                     try:
                         with h5py.File(path, "r") as src:
                             start, stop = d.rows_of(index)
-                            assert vlen.same_heap_rows(src.id, src[name].id, fd, 0, out.id,
-                                                       out[name].id, out_fd, start,
-                                                       stop - start), (name, index)
+                            assert heap_collections.same_heap_rows(
+                                src.id, src[name].id, fd, 0, out.id, out[name].id, out_fd,
+                                start, stop - start), (name, index)
                     finally:
                         os.close(fd)
     finally:
@@ -154,7 +154,7 @@ def test_a_string_changed_inside_its_heap_collection_is_named(
     plan = merged(tmp_path)
     row = ROWS + 20  # the second file's row 20
     with h5py.File(plan.job.temp, "r") as out:
-        heap_id = vlen.stored_ids(out["log"].id, row, 1).reshape(-1)[0]
+        heap_id = heap_collections.stored_ids(out["log"].id, row, 1).reshape(-1)[0]
         base = out.userblock_size
         wanted = out["log"][row]
     fd = os.open(plan.job.temp, os.O_RDWR)
@@ -217,14 +217,15 @@ def test_the_output_holds_each_string_once(tmp_path: Path) -> None:
 def test_blocks_cut_to_a_few_heap_collections_still_move_every_row(
         tmp_path: Path, small_blocks: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks whose collections would hold more than the bound are halved, down to a row."""
-    monkeypatch.setattr(merge, "WHOLE_HEAP_BYTES", 3 * vlen.COLLECTION_MIN)
+    monkeypatch.setattr(merge, "WHOLE_HEAP_BYTES", 3 * heap_collections.COLLECTION_MIN)
     run = tmp_path / "run"
     make_run(run, producer, checkpoints=CHECKPOINTS)
-    plan = prepare(run, "run", "0123456789abcdef", block_bytes=4 * vlen.COLLECTION_MIN)
+    plan = prepare(run, "run", "0123456789abcdef", block_bytes=4 * heap_collections.COLLECTION_MIN)
     fd = os.open(run / "run_chk00001.h5", os.O_RDONLY)
     try:
         with h5py.File(run / "run_chk00001.h5", "r") as f:
-            assert vlen.heap_rows(f.id, f["log"].id, fd, 0, 40, 3 * vlen.COLLECTION_MIN) < 40
+            limit = 3 * heap_collections.COLLECTION_MIN
+            assert heap_collections.heap_rows(f.id, f["log"].id, fd, 0, 40, limit) < 40
     finally:
         os.close(fd)
     merge_parts(plan)

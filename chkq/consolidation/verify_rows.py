@@ -21,7 +21,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5f, h5r
 
-from chkq.consolidation import vlen
+from chkq.consolidation import heap_collections, vlen
 from chkq.consolidation.checkpoint_files import open_checkpoint_id
 from chkq.consolidation.copy_rows import (
     chunk_starts,
@@ -412,7 +412,7 @@ def _heap_rows_match(plan: Plan, d: DatasetPlan, source: tuple[h5f.FileID, h5d.D
                      path: object) -> bool:
     """Whether one file's output rows of a variable-length dataset are its rows as stored.
 
-    Block by block, :func:`chkq.consolidation.vlen.same_heap_rows` (``source``
+    Block by block, :func:`chkq.consolidation.heap_collections.same_heap_rows` (``source``
     and ``output``: file id, dataset id, descriptor); rows the file lacks
     (records of its dimension) must read as its fill value. False as soon
     as a block is not (the caller compares the rows through HDF5, which
@@ -423,7 +423,7 @@ def _heap_rows_match(plan: Plan, d: DatasetPlan, source: tuple[h5f.FileID, h5d.D
     step = min(65536, block_rows(d.row_bytes, plan.block_bytes // 2))
     for lo in range(0, stored, step):
         n = min(step, stored - lo)
-        if not vlen.same_heap_rows(*source, lo, *output, start + lo, n):
+        if not heap_collections.same_heap_rows(*source, lo, *output, start + lo, n):
             return False
     if stored < end - start:
         _compare_string_fill(d, h5py.Dataset(output[1]), start + stored, end,
