@@ -18,7 +18,7 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 from chkq.errors import (
@@ -36,23 +36,19 @@ from chkq.stores.base import (
     validate_key,
 )
 from chkq.stores.local_files import (
-    DIR_FLAGS,
     PRIVATE_PREFIX,
     READ_FLAGS,
     TMP_DIR,
     UPLOAD_SUFFIX,
     PrivateFile,
     remove_private,
-    reserved_name,
     stamp_of,
 )
+from chkq.stores.local_tree import StoreTree
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
 log = logging.getLogger(__name__)
-
-MAX_KEY_DEPTH = 32
-"""Deepest key (in ``/``-separated components) a listing descends to."""
 
 class LocalDirectoryStore(CheckpointStore):
     """Objects as files under one directory.
@@ -96,7 +92,7 @@ class LocalDirectoryStore(CheckpointStore):
         if not os.path.isabs(text):
             raise BadNameError(f"LocalDirectoryStore needs an absolute path, got {text!r}")
         self._root = Path(os.path.realpath(text))
-        self._must_exist = must_exist
+        self._tree = StoreTree(self._root, self.url, must_exist)
 
     @property
     def root(self) -> Path:
@@ -107,124 +103,6 @@ class LocalDirectoryStore(CheckpointStore):
     def url(self) -> str:
         return self._root.as_uri()
 
-    # walking without following links ------------------------------------------
-
-    def _missing(self) -> FileNotFoundError:
-        return FileNotFoundError(
-            errno.ENOENT, f"store {self.url} does not exist (no directory {str(self._root)!r})")
-
-    def _refuse_link(self, where: str) -> SymlinkInStoreError:
-        return SymlinkInStoreError(
-            f"store {self.url}: {where!r} is a symbolic link (or not a plain directory); "
-            "a store never follows links")
-
-    def _open_root(self, create: bool) -> int | None:
-        """fd of the root; None if it is missing and ``create`` is False."""
-        try:
-            return os.open(self._root, DIR_FLAGS)
-        except FileNotFoundError:
-            if self._must_exist:
-                raise self._missing() from None
-            if not create:
-                return None
-        except OSError as exc:
-            if exc.errno == errno.ELOOP or os.path.islink(self._root):
-                raise self._refuse_link(str(self._root)) from None
-            if exc.errno == errno.ENOTDIR:
-                raise NotADirectoryError(
-                    errno.ENOTDIR, f"store {self.url}: {str(self._root)!r} is not a directory"
-                ) from None
-            raise
-        os.makedirs(self._root, exist_ok=True)
-        return os.open(self._root, DIR_FLAGS)
-
-    def _open_dir(self, parts: Sequence[str], create: bool) -> int | None:
-        """fd of ``root/parts``, each name opened with O_NOFOLLOW relative to the last.
-
-        Missing directories are created if ``create``, else None is returned
-        (a name that is a file counts as missing).
-
-        Raises
-        ------
-        SymlinkInStoreError
-            If a name on the way is a symbolic link.
-        """
-        fd = self._open_root(create)
-        if fd is None:
-            return None
-        try:
-            for depth, name in enumerate(parts):
-                child = self._open_child(fd, parts, depth)
-                if child is None and create:
-                    with contextlib.suppress(FileExistsError):
-                        os.mkdir(name, 0o777, dir_fd=fd)
-                    child = self._open_child(fd, parts, depth)
-                if child is None:
-                    if create:
-                        raise FileNotFoundError(
-                            errno.ENOENT, f"store {self.url}: cannot create directory",
-                            "/".join(parts[: depth + 1]))
-                    os.close(fd)
-                    return None
-                os.close(fd)
-                fd = child
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _open_child(self, fd: int, parts: Sequence[str], depth: int) -> int | None:
-        """Open directory ``parts[depth]`` in ``fd`` without following a link.
-
-        Returns None if the name is missing or is a file (a key's prefix
-        that is not a directory holds no keys).
-
-        Raises
-        ------
-        SymlinkInStoreError
-            If the name is a symbolic link (Linux answers ELOOP or ENOTDIR).
-        """
-        name = parts[depth]
-        try:
-            return os.open(name, DIR_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            loop = exc.errno == errno.ELOOP
-        found = self._lstat(fd, name)
-        if loop or (found is not None and stat.S_ISLNK(found.st_mode)):
-            raise self._refuse_link("/".join(parts[: depth + 1]))
-        return None
-
-    @contextlib.contextmanager
-    def _parent(self, key: str, create: bool) -> Iterator[tuple[int | None, str]]:
-        """(fd of the key's directory or None if missing, the key's last name)."""
-        parts = self._parts(key)
-        fd = self._open_dir(parts[:-1], create)
-        try:
-            yield fd, parts[-1]
-        finally:
-            if fd is not None:
-                os.close(fd)
-
-    def _parts(self, key: str) -> list[str]:
-        parts = key.split("/")
-        if reserved_name(parts[0]):
-            raise InvalidKeyError(f"invalid store key {key!r}: {TMP_DIR!r} and names starting "
-                                  f"{PRIVATE_PREFIX!r} are reserved")
-        return parts
-
-    def _lstat(self, fd: int | None, name: str) -> os.stat_result | None:
-        """lstat of ``name`` in directory ``fd``; None if it (or the directory) is missing."""
-        if fd is None:
-            return None
-        try:
-            return os.stat(name, dir_fd=fd, follow_symlinks=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
     # writing ---------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -234,7 +112,7 @@ class LocalDirectoryStore(CheckpointStore):
         ``named``: in a private directory (a rename needs a name to move),
         even where the filesystem has ``O_TMPFILE``.
         """
-        root = self._open_root(create=True)
+        root = self._tree.open_root(create=True)
         assert root is not None
         try:
             temp = PrivateFile(self.url, root, named=named)
@@ -248,16 +126,16 @@ class LocalDirectoryStore(CheckpointStore):
             temp.close()
 
     def _put(self, key: str, data: bytes) -> None:
-        with self._parent(key, create=True) as (parent, name):
+        with self._tree.parent(key, create=True) as (parent, name):
             assert parent is not None
             with self._temp(data, named=True) as temp:
                 temp.replace(parent, name, key)
             os.fsync(parent)
 
     def _put_if_absent(self, key: str, data: bytes) -> bool:
-        with self._parent(key, create=True) as (parent, name):
+        with self._tree.parent(key, create=True) as (parent, name):
             assert parent is not None
-            if self._lstat(parent, name) is not None:
+            if self._tree.lstat(parent, name) is not None:
                 return False
             with self._temp(data) as temp:
                 if not temp.link(parent, name, key):
@@ -274,15 +152,15 @@ class LocalDirectoryStore(CheckpointStore):
         return self._read(key, length, start)
 
     def _size(self, key: str) -> int:
-        with self._parent(key, create=False) as (parent, name):
-            found = self._lstat(parent, name)
+        with self._tree.parent(key, create=False) as (parent, name):
+            found = self._tree.lstat(parent, name)
         if found is None or not stat.S_ISREG(found.st_mode):
             raise KeyError(key)
         return found.st_size
 
     def _read(self, key: str, size: int, offset: int = 0) -> bytes:
         """The object's ``size`` bytes from ``offset`` (all for -1)."""
-        with self._parent(key, create=False) as (parent, name):
+        with self._tree.parent(key, create=False) as (parent, name):
             if parent is None:
                 raise KeyError(key)
             try:
@@ -291,7 +169,7 @@ class LocalDirectoryStore(CheckpointStore):
                 raise KeyError(key) from None
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
-                    raise self._refuse_link(key) from None
+                    raise self._tree.refuse_link(key) from None
                 raise
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, FIFO, device...
                 os.close(fd)
@@ -310,15 +188,15 @@ class LocalDirectoryStore(CheckpointStore):
 
 
     def _version(self, key: str) -> ObjectVersion:
-        with self._parent(key, create=False) as (parent, name):
-            found = self._lstat(parent, name)
+        with self._tree.parent(key, create=False) as (parent, name):
+            found = self._tree.lstat(parent, name)
         if found is None or not stat.S_ISREG(found.st_mode):
             raise KeyError(key)
         return self._stamp(found)
 
     def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
                           length: int) -> bytes | None:
-        with self._parent(key, create=False) as (parent, name):
+        with self._tree.parent(key, create=False) as (parent, name):
             if parent is None:
                 return None
             try:
@@ -327,7 +205,7 @@ class LocalDirectoryStore(CheckpointStore):
                 return None
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
-                    raise self._refuse_link(key) from None
+                    raise self._tree.refuse_link(key) from None
                 raise
             try:
                 before = os.fstat(fd)
@@ -371,9 +249,9 @@ class LocalDirectoryStore(CheckpointStore):
         found = os.fstat(fd)
         if not stat.S_ISREG(found.st_mode):
             raise OSError(errno.EINVAL, "only a regular file is linked into a store", key)
-        with self._parent(validate_key(key), create=True) as (parent, name):
+        with self._tree.parent(validate_key(key), create=True) as (parent, name):
             assert parent is not None
-            if self._lstat(parent, name) is not None:
+            if self._tree.lstat(parent, name) is not None:
                 return None
             try:
                 os.link(fd_path(fd), name, dst_dir_fd=parent, follow_symlinks=True)
@@ -392,7 +270,7 @@ class LocalDirectoryStore(CheckpointStore):
             If it is another file: whoever can write the directory replaced
             it at once; that file is left as it is.
         """
-        mine, found = os.fstat(fd), self._lstat(parent, name)
+        mine, found = os.fstat(fd), self._tree.lstat(parent, name)
         if found is None or (found.st_dev, found.st_ino) != (mine.st_dev, mine.st_ino):
             raise StoredBytesMismatchError(
                 f"store {self.url}: {key} was replaced by another file right after this "
@@ -419,7 +297,7 @@ class LocalDirectoryStore(CheckpointStore):
             If the object cannot be linked there (another filesystem, or a
             file the kernel will not let this user link); the caller copies.
         """
-        with self._parent(validate_key(key), create=False) as (parent, source):
+        with self._tree.parent(validate_key(key), create=False) as (parent, source):
             if parent is None:
                 return False
             try:
@@ -434,99 +312,23 @@ class LocalDirectoryStore(CheckpointStore):
         return True
 
     def _exists(self, key: str) -> bool:
-        with self._parent(key, create=False) as (parent, name):
-            found = self._lstat(parent, name)
+        with self._tree.parent(key, create=False) as (parent, name):
+            found = self._tree.lstat(parent, name)
             return found is not None and stat.S_ISREG(found.st_mode)
 
     def _list(self, prefix: str) -> list[str]:
-        directory, _, _ = prefix.rpartition("/")
-        parts = directory.split("/") if directory else []
-        if parts and reserved_name(parts[0]):
-            return []
-        fd = self._open_dir(parts, create=False)
-        if fd is None:
-            return []
-        keys: list[str] = []
-        try:
-            self._walk(fd, directory + "/" if directory else "", prefix, keys)
-        finally:
-            os.close(fd)
-        return keys
-
-    def _walk(self, fd: int, rel: str, prefix: str, keys: list[str]) -> None:
-        """Append the keys under directory ``fd`` (named ``rel``) that start with ``prefix``.
-
-        Only plain files and plain directories are seen: links are skipped.
-        The walk keeps one descriptor per level and no Python recursion, and
-        goes no deeper than :data:`MAX_KEY_DEPTH` components: deeper
-        directories (which no key of chkq's uses, but anyone who can write to
-        the store can make) are skipped with a warning naming them.
-        """
-        levels: list[tuple[int, str, list[str]]] = [(fd, rel, self._scan(fd, rel, prefix, keys))]
-        try:
-            while levels:
-                parent, parent_rel, subdirs = levels[-1]
-                if not subdirs:
-                    levels.pop()
-                    if parent != fd:
-                        os.close(parent)
-                    continue
-                name = subdirs.pop()
-                sub = parent_rel + name + "/"
-                if sub.count("/") >= MAX_KEY_DEPTH:
-                    log.warning("store %s: %r is more than %d directories deep; not listed",
-                                self.url, sub, MAX_KEY_DEPTH)
-                    continue
-                try:
-                    child = os.open(name, DIR_FLAGS, dir_fd=parent)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:  # replaced by a link since scandir
-                        continue
-                    raise
-                try:
-                    found = self._scan(child, sub, prefix, keys)
-                except BaseException:
-                    os.close(child)
-                    raise
-                levels.append((child, sub, found))
-        finally:
-            for parent, _, _ in levels:
-                if parent != fd:
-                    os.close(parent)
-
-    @staticmethod
-    def _scan(fd: int, rel: str, prefix: str, keys: list[str]) -> list[str]:
-        """Append the files of directory ``fd`` matching ``prefix``; return the subdirectories
-        that may hold more."""
-        with os.scandir(fd) as entries:
-            found = [(e.name, e.is_dir(follow_symlinks=False), e.is_file(follow_symlinks=False))
-                     for e in entries]
-        subdirs = []
-        for name, is_dir, is_file in found:
-            key = rel + name
-            if rel == "" and reserved_name(name):
-                continue
-            if is_file and key.startswith(prefix):
-                keys.append(key)
-            elif is_dir:
-                sub = key + "/"
-                if sub.startswith(prefix) or prefix.startswith(sub):
-                    subdirs.append(name)
-        subdirs.reverse()
-        return subdirs
+        return self._tree.keys(prefix)
 
     def _delete(self, key: str) -> None:
-        with self._parent(key, create=False) as (parent, name):
+        with self._tree.parent(key, create=False) as (parent, name):
             if parent is None:
                 return
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 os.unlink(name, dir_fd=parent)
 
     def _modified(self, key: str) -> float:
-        with self._parent(key, create=False) as (parent, name):
-            found = self._lstat(parent, name)
+        with self._tree.parent(key, create=False) as (parent, name):
+            found = self._tree.lstat(parent, name)
             if found is None or not stat.S_ISREG(found.st_mode):
                 raise KeyError(key)
             return found.st_mtime
@@ -541,23 +343,23 @@ class LocalDirectoryStore(CheckpointStore):
 
         An ``O_TMPFILE`` write leaves nothing to list.
         """
-        fd = self._open_root(create=False)
+        fd = self._tree.open_root(create=False)
         if fd is None:
             return []
         try:
             found = []
             for name in os.listdir(fd):
-                seen = self._lstat(fd, name)
+                seen = self._tree.lstat(fd, name)
                 if (name.startswith(PRIVATE_PREFIX) and seen is not None
                         and stat.S_ISDIR(seen.st_mode) and seen.st_uid == os.geteuid()):
                     found.append(StrayUpload("", name, seen.st_mtime))
         finally:
             os.close(fd)
-        tmp = self._open_dir([TMP_DIR], create=False)
+        tmp = self._tree.open_dir([TMP_DIR], create=False)
         if tmp is not None:
             try:
                 for name in os.listdir(tmp):
-                    seen = self._lstat(tmp, name)
+                    seen = self._tree.lstat(tmp, name)
                     if name.endswith(UPLOAD_SUFFIX) and seen is not None \
                             and stat.S_ISREG(seen.st_mode):
                         found.append(StrayUpload("", name, seen.st_mtime))
@@ -571,7 +373,7 @@ class LocalDirectoryStore(CheckpointStore):
         if "/" in name or not (private or name.endswith(UPLOAD_SUFFIX)) \
                 or (name.startswith(".") and not private):
             raise InvalidKeyError(f"store {self.url}: {name!r} is not an upload of this store")
-        fd = self._open_dir([] if private else [TMP_DIR], create=False)
+        fd = self._tree.open_dir([] if private else [TMP_DIR], create=False)
         if fd is None:
             return
         try:
@@ -597,8 +399,8 @@ class _LocalUpload(PartsUpload):
 
     def __init__(self, store: LocalDirectoryStore, key: str) -> None:
         super().__init__(store, key)
-        store._parts(key)
-        root = store._open_root(create=True)
+        store._tree.parts(key)
+        root = store._tree.open_root(create=True)
         assert root is not None
         try:
             self._temp: PrivateFile | None = PrivateFile(store.url, root)
@@ -615,9 +417,9 @@ class _LocalUpload(PartsUpload):
         assert temp is not None
         temp.give(self.access)
         os.fsync(temp.fd)
-        with self.store._parent(self.key, create=True) as (parent, name):
+        with self.store._tree.parent(self.key, create=True) as (parent, name):
             assert parent is not None
-            if self.store._lstat(parent, name) is not None:
+            if self.store._tree.lstat(parent, name) is not None:
                 return False
             if not temp.link(parent, name, self.key):
                 return False
