@@ -151,6 +151,28 @@ def test_store_operations_inside_one_budget_share_it(monkeypatch: pytest.MonkeyP
     assert calls[-1] - calls[0] > 5.0, "outside the block an operation has its own budget"
 
 
+def test_a_shared_budget_starts_with_the_first_store_operation(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slow work inside the block before any store operation (a loaded node) leaves it whole."""
+    clock = [1000.0]
+    monkeypatch.setattr(store_retry.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(store_retry.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    calls: list[float] = []
+
+    def unreachable() -> None:
+        calls.append(clock[0])
+        raise ConnectionError("refused")
+
+    with store_retry.overall_budget(2.0):
+        clock[0] += 5.0
+        with pytest.raises(TransientStoreError, match="retry budget 2 s"):
+            store_retry.retry_transient(unreachable, is_transient=lambda e: True, what="op",
+                                        attempts=1000, initial_delay=0.1)
+    assert len(calls) > 1, "the store was tried once: the work before it took the budget"
+    assert calls[-1] - calls[0] <= 2.0
+
+
 @pytest.mark.cluster
 def test_a_watch_whose_store_goes_away_says_so_and_commits_once_it_is_back(
     tmp_path: Path

@@ -90,9 +90,24 @@ class StoreTimeouts:
         return self.budget + self.connect + self.read
 
 
-#: Monotonic time after which no store operation starts a retry (see :func:`overall_budget`).
-_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "chkq_store_deadline", default=None)
+@dataclass
+class _SharedBudget:
+    """The retry budget of an :func:`overall_budget` block, started by its first operation."""
+
+    seconds: float
+    outer: _SharedBudget | None
+    deadline: float | None = None
+
+    def started(self, now: float) -> float:
+        """The monotonic time after which no operation of the block starts a retry."""
+        if self.deadline is None:
+            self.deadline = now + self.seconds
+        return self.deadline if self.outer is None else min(self.deadline,
+                                                            self.outer.started(now))
+
+
+_SHARED: contextvars.ContextVar[_SharedBudget | None] = contextvars.ContextVar(
+    "chkq_store_budget", default=None)
 
 
 @contextlib.contextmanager
@@ -102,16 +117,16 @@ def overall_budget(seconds: float) -> Iterator[None]:
     Each operation otherwise has a budget of its own, and a command of many
     operations against a store that keeps failing would wait for their sum.
     Inside the block an operation retries only until the block's deadline;
-    past it, it makes its one attempt and fails on a transient error. A
-    block nested in another ends no later than the outer one.
+    past it, it makes its one attempt and fails on a transient error. The
+    deadline is counted from the block's first store operation, so that
+    work before it (opening the store, reading a checkpoint) takes none of
+    the budget. A block nested in another ends no later than the outer one.
     """
-    deadline = time.monotonic() + seconds
-    outer = _DEADLINE.get()
-    token = _DEADLINE.set(deadline if outer is None else min(outer, deadline))
+    token = _SHARED.set(_SharedBudget(seconds, _SHARED.get()))
     try:
         yield
     finally:
-        _DEADLINE.reset(token)
+        _SHARED.reset(token)
 
 
 def retry_transient(
@@ -162,9 +177,9 @@ def retry_transient(
     """
     backoff = Backoff(initial_delay, max_delay, jitter=True)
     start = time.monotonic()
-    deadline = _DEADLINE.get()
-    if deadline is not None:
-        remaining = max(0.0, deadline - start)
+    shared = _SHARED.get()
+    if shared is not None:
+        remaining = max(0.0, shared.started(start) - start)
         budget = remaining if budget is None else min(budget, remaining)
     for attempt in range(1, attempts + 1):
         try:
