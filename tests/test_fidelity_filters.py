@@ -27,6 +27,7 @@ from h5py import h5d, h5p, h5s, h5t, h5z
 
 from chkq.consolidation.driver import consolidate_here
 from chkq.consolidation.filter_pipelines import create_extensible, stored_filters
+from chkq.consolidation.h5types import stored_chunks
 from chkq.consolidation.output_check import check_output
 from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
@@ -119,8 +120,8 @@ def test_a_part_dataset_stores_its_templates_filter_parameters(tmp_path: Path,
         with h5py.File(tmp_path / "moved.h5", "w") as moved:
             # The template's own object, its chunks replaced by the part's as stored.
             ref.copy(source, moved, "data")
-            for offset in [tuple(int(o) for o in made.id.get_chunk_info(i).chunk_offset)
-                           for i in range(made.id.get_num_chunks())]:
+            for offset in [tuple(int(o) for o in info.chunk_offset)
+                           for info in stored_chunks(made.id)]:
                 mask, chunk = made.id.read_direct_chunk(offset)
                 moved["data"].id.write_direct_chunk(offset, chunk, mask)
             np.testing.assert_array_equal(moved["data"][()], source[()])

@@ -15,6 +15,7 @@ import h5py
 import numpy as np
 import pytest
 
+from chkq.consolidation.h5types import stored_chunks
 from chkq.consolidation.layout import (
     ChunkExtent,
     LayoutImage,
@@ -60,8 +61,7 @@ def _source_chunks(paths: list[Path]) -> dict[str, list[tuple[int, int, int, int
         with h5py.File(path, "r") as f:
             for name in EXTENSIBLE:
                 dsid = f[name].id
-                for n in range(dsid.get_num_chunks()):
-                    info = dsid.get_chunk_info(n)
+                for info in stored_chunks(dsid):
                     found[name].append((index, base + info.chunk_offset[0], info.byte_offset,
                                         info.size, info.filter_mask))
             base += f["auto"].shape[0]

@@ -28,6 +28,7 @@ from typing import Any
 
 import h5py
 
+from chkq.consolidation.h5types import stored_chunks
 from chkq.errors import BadCheckpointError
 
 #: Bytes of a placeholder's head: a mark of 16 random bytes and its chunk's tag (8 bytes).
@@ -224,10 +225,7 @@ def check_chunk_map(dataset: h5py.Dataset, planned: dict[tuple[int, ...], ChunkE
     """
     problems = []
     dsid = dataset.id
-    found = {}
-    for index in range(dsid.get_num_chunks()):
-        info = dsid.get_chunk_info(index)
-        found[tuple(info.chunk_offset)] = info
+    found = {tuple(info.chunk_offset): info for info in stored_chunks(dsid)}
     for where in sorted(set(found) | set(planned)):
         info, plan = found.get(where), planned.get(where)
         if info is None or plan is None:
