@@ -13,9 +13,9 @@ import h5py
 import numpy as np
 
 from chkq.consolidation.checkpoint_files import COMPLETE_ATTR
+from chkq.consolidation.completeness import is_complete
 from chkq.log import CheckpointLog
 from chkq.stores import open_store
-from chkq.watcher import is_complete
 from chkq.workers.client import submit_consolidation
 from support import fake_simulation
 from support.helpers import assert_consolidated

@@ -28,6 +28,7 @@ from typing import Any
 
 import h5py
 
+from chkq.consolidation.completeness import is_complete
 from chkq.consolidation.extend import (
     ExtendStats,
     check_file_rows,
@@ -53,7 +54,6 @@ from chkq.consolidation.stamps import FileStamp
 from chkq.consolidation.temporaries import discard_job_files
 from chkq.errors import FollowError, HistoryChangedError, NoCheckpointsError
 from chkq.rundir import CREATE, READ, RunDir, fd_path
-from chkq.watcher import is_complete
 
 #: The ``kind`` of a version's record (the job's finished result).
 VERSION_KIND = "follow-version"
