@@ -277,30 +277,27 @@ def test_an_error_while_waiting_stops_the_cluster_and_removes_the_temporaries(
 
 
 @pytest.mark.cluster
-def test_sigterm_ends_watch_and_its_embedded_cluster(tmp_path: Path) -> None:
-    """``chkq watch`` (embedded cluster) stopped by SIGTERM leaves nothing running."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    make_run(run_dir, "run", RunShape(checkpoints=2, trials=20))
+def test_sigterm_ends_watch_and_its_embedded_cluster(run_dir: Path, tmp_path: Path) -> None:
+    """``chkq watch --consolidate`` stopped by SIGTERM while its embedded cluster consolidates
+    the finished run: exit 128+15, one error line, no child, no temporary, checkpoints kept."""
+    before = snapshot(run_dir)
     store = tmp_path / "store"
     store.mkdir()
     tmp = tmp_path / "tmp"
+    broker = Broker(tmp_path / "broker")
     command = Command(["watch", str(run_dir), "run", "--store", f"file://{store}", "--run",
-                       "r1", "--interval", "0.2", "--workers", "1"], embedded_env(tmp))
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        now = command.watch_tree()
-        if any("redis-server" in command_line(p) for p in alive(now)) and len(now) >= 3:
-            break
-        assert command.process.poll() is None, command.process.communicate()
-        time.sleep(0.05)
-    time.sleep(1.0)
+                       "r1", "--interval", "0.2", "--idle", "1", "--consolidate",
+                       "--workers", "1"],
+                      embedded_env(tmp, CHKQ_BLOCK_BYTES=str(64 * 1024), PATH=broker.path()))
+    command.wait_running(run_dir, workers=1, broker=broker)
     seconds = command.end(signal.SIGTERM)
     _, err = command.process.communicate()
     assert command.process.returncode == 128 + signal.SIGTERM, err
     assert err.endswith("error: interrupted (SIGTERM)\n"), err
-    assert seconds < 5
-    assert list(tmp.iterdir()) == []
+    assert seconds < 5, f"the tree took {seconds:.2f} s to go"
+    assert len(command.tree) >= 3, "redis-server, the worker and its pool process"
+    assert list(tmp.iterdir()) == [], "temporary files or directories left behind"
+    checkpoints_only(run_dir, before)
 
 
 @pytest.mark.cluster
