@@ -124,13 +124,13 @@ def ready(worker: HostWorker) -> bool:
 
 @pytest.mark.parametrize(("cut_seconds", "limits", "rescue"), [
     pytest.param(30, LIMITS, False, id="cut-30s"),
-    pytest.param(80, SHORT_LIMITS, True, id="cut-past-the-time-limit"),
-    pytest.param(80, SHORT_LIMITS, False, id="cut-past-the-time-limit-no-other-verifier"),
+    pytest.param(45, SHORT_LIMITS, True, id="cut-past-the-time-limit"),
+    pytest.param(45, SHORT_LIMITS, False, id="cut-past-the-time-limit-no-other-verifier"),
 ])
 def test_result_backend_unreachable_from_the_verifying_host_then_back(
         hosts: Hosts, amqp_vhost: Vhost, alias: BackendAlias, tmp_path: Path,
         cut_seconds: int, limits: dict[str, str], rescue: bool) -> None:
-    """A cut of 30 s: the held verify resumes when the backend is back. A cut of 80 s,
+    """A cut of 30 s: the held verify resumes when the backend is back. A cut of 45 s,
     past the worker's time limits: the held verify is ended by its soft limit and handed
     back, taken either by a second verifying worker (on the building host, which reaches
     the backend) or, with none, by the cut-off worker again once the backend is back."""
