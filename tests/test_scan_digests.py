@@ -104,3 +104,27 @@ def test_a_damaged_small_file_is_refused_when_planned(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cannot read checkpoint file .*run_chk00002.h5"):
         prepare(tmp_path, "run", uuid.uuid4().hex)
     assert snapshot(tmp_path) == before
+
+
+def test_a_reused_scan_is_of_the_file_as_it_is_now(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A followed run scans a file again only once it changed (its stamp, as every check)."""
+    from chkq.consolidation import run_scan
+
+    make_run(tmp_path, "run", RunShape(checkpoints=2, trials=40))
+    paths = sorted(tmp_path.glob("run_chk*.h5"))
+    opened: list[Path] = []
+    real = run_scan.scan_file
+    monkeypatch.setattr(run_scan, "scan_file",
+                        lambda path, fd: opened.append(path) or real(path, fd=fd))
+    first = run_scan.scan_files(paths, tmp_path, reuse=True)
+    again = run_scan.scan_files(paths, tmp_path, reuse=True)
+    assert opened == paths, "the second look scanned files that had not changed"
+    assert [s.stamp for s in again] == [s.stamp for s in first]
+    with h5py.File(paths[1], "r+") as f:
+        f.attrs["trials_completed"] = 41
+    changed = run_scan.scan_files(paths, tmp_path, reuse=True)
+    assert opened == [*paths, paths[1]]
+    assert changed[1].stamp != first[1].stamp
+    run_scan.scan_files(paths, tmp_path)
+    assert opened == [*paths, paths[1], *paths], "without reuse every file is scanned"

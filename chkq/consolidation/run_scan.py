@@ -24,10 +24,14 @@ from chkq.consolidation.discovery import (
 from chkq.consolidation.record_dimensions import record_padding
 from chkq.consolidation.stamps import FileStamp, check_same, stamp_of
 from chkq.errors import BadCheckpointError, BadMessageError
+from chkq.lru import LRU
 from chkq.rundir import RunDir
 
 #: Files per scan unit when a run's files are scanned by several tasks at once.
 SCAN_FILES = 256
+
+#: Scans this process made with ``reuse``, by path and stamp (:func:`scan_files`).
+_SCANNED: LRU[tuple[str, FileStamp], ScannedFile] = LRU(16384)
 
 
 @dataclass
@@ -142,7 +146,7 @@ def run_files(checkpoints: list[Checkpoint]) -> list[Path]:
 
 
 def scan_files(paths: list[Path], out_dir: str | Path,
-               run: RunDir | None = None) -> list[ScannedFile]:
+               run: RunDir | None = None, *, reuse: bool = False) -> list[ScannedFile]:
     """Stamp and scan each file of the run in ``out_dir``; the stamp is checked after the scan.
 
     Each file is opened once through the run directory's descriptor
@@ -151,6 +155,11 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     is the opened descriptor's, and HDF5 reads that descriptor. A file that
     changed while it was scanned is refused, so the rows the scan counted
     belong to the version every later open is checked against.
+
+    ``reuse``: a file whose stamp is the one this process scanned it with
+    before keeps that scan, unopened by HDF5 (a followed run's next version
+    scans only its new checkpoints). The stamp is the same proof of an
+    unchanged file that every later open of the job relies on.
 
     Raises
     ------
@@ -162,12 +171,16 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     """
     if run is None:
         with RunDir.open(out_dir, exact=True) as opened:
-            return scan_files(paths, out_dir, opened)
+            return scan_files(paths, out_dir, opened, reuse=reuse)
     scanned = []
     for path in paths:
         fd = run.open_file(path)
         try:
             stamp = stamp_of(path, os.fstat(fd))
+            known = _SCANNED.get((str(path), stamp)) if reuse else None
+            if known is not None:
+                scanned.append(known)
+                continue
             scan = scan_file(path, fd=fd)
             st = os.fstat(fd)
             check_same(path, stamp, st, "changed while it was being planned")
@@ -175,6 +188,8 @@ def scan_files(paths: list[Path], out_dir: str | Path,
             os.close(fd)
         scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
         scanned.append(ScannedFile(scan, stamp))
+        if reuse:
+            _SCANNED.put((str(path), stamp), scanned[-1])
     return scanned
 
 

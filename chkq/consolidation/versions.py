@@ -142,7 +142,7 @@ def publish_version(out_dir: str | Path, model: str, job_id: str, through: int,
         if not checkpoints:
             raise FollowError(f"no checkpoint of {model!r} up to number {through} in "
                               f"{str(job.out_dir)!r}")
-        scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
+        scanned = scan_files(run_files(checkpoints), job.out_dir, rundir, reuse=True)
     try:
         with surveyed_run(out_dir, model, job_id, block_bytes=block_bytes,
                           run=(checkpoints, scanned), allow_gaps=True,
