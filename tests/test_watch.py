@@ -11,6 +11,7 @@ from pathlib import Path
 
 import h5py
 import numpy as np
+import pytest
 
 from chkq.consolidation.checkpoint_files import COMPLETE_ATTR
 from chkq.consolidation.completeness import is_complete
@@ -48,6 +49,26 @@ def test_a_file_marked_complete_is_not_complete_while_its_writer_holds_it(
         f.flush()
         assert not is_complete(path)
     assert is_complete(path)
+
+
+def test_a_file_seen_complete_is_opened_again_only_once_it_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chkq.consolidation import completeness
+
+    path = tmp_path / "sim_chk00001.h5"
+    with h5py.File(path, "w") as f:
+        f["rows"] = np.arange(10)
+        f.attrs[COMPLETE_ATTR] = 10
+    opened: list[Path] = []
+    real = completeness.is_complete
+    monkeypatch.setattr(completeness, "is_complete",
+                        lambda p: opened.append(p) or real(p))
+    assert completeness.seen_complete(path) and completeness.seen_complete(path)
+    assert opened == [path], "a file seen complete, unchanged since, was opened again"
+    with h5py.File(path, "r+") as f:
+        del f.attrs[COMPLETE_ATTR]
+    assert not completeness.seen_complete(path), "a file that changed is looked at again"
+    assert opened == [path, path]
 
 
 def test_watch_commits_each_complete_checkpoint_once_in_order_and_restore_reproduces(

@@ -34,7 +34,7 @@ from chkq.workers.claims import refuse_if_running, run_claim
 from chkq.workers.client import ConsolidationJob, JobSummary, out_dir_of, submit_consolidation
 
 #: Seconds between two looks at the run directory for newly completed checkpoints.
-POLL_SECONDS = 1.0
+POLL_SECONDS = 0.25
 
 
 @dataclass

@@ -7,6 +7,7 @@ held. Watching and following a run take a file only once both hold.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 import h5py
 
 from chkq.consolidation.checkpoint_files import COMPLETE_ATTR
+from chkq.consolidation.stamps import FileStamp
+from chkq.lru import LRU
 
 
 def is_complete(path: Path) -> bool:
@@ -52,3 +55,27 @@ def held_for_writing(path: Path) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+#: Checkpoint files seen complete, by path and stamp: one unchanged since is complete still.
+_COMPLETE: LRU[tuple[str, FileStamp], bool] = LRU(65536)
+
+
+def seen_complete(path: Path) -> bool:
+    """:func:`is_complete`, opening by HDF5 only a file not seen complete as it is now.
+
+    A follow looks at the run every fraction of a second; with
+    :func:`is_complete` alone each look would open every checkpoint file of the run.
+    """
+    try:
+        before = FileStamp.of(os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
+    if _COMPLETE.get((str(path), before)):
+        return True
+    if not is_complete(path):
+        return False
+    with contextlib.suppress(OSError):
+        if FileStamp.of(os.stat(path, follow_symlinks=False)) == before:
+            _COMPLETE.put((str(path), before), True)
+    return True

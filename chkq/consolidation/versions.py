@@ -28,7 +28,7 @@ from typing import Any
 
 import h5py
 
-from chkq.consolidation.completeness import is_complete
+from chkq.consolidation.completeness import seen_complete
 from chkq.consolidation.extend import (
     ExtendStats,
     check_file_rows,
@@ -84,9 +84,9 @@ def run_progress(out_dir: str | Path, model: str) -> RunProgress:
             return RunProgress(None)
     through = None
     for index, checkpoint in enumerate(checkpoints):
-        waiting = tuple(path for path in checkpoint.files if not is_complete(path))
+        waiting = tuple(path for path in checkpoint.files if not seen_complete(path))
         if waiting:
-            overtaken = any(all(is_complete(path) for path in later.files)
+            overtaken = any(all(seen_complete(path) for path in later.files)
                             for later in checkpoints[index + 1:])
             return RunProgress(through, waiting, overtaken)
         through = checkpoint.number
@@ -107,7 +107,7 @@ def completed_checkpoints(out_dir: str | Path, model: str) -> list[tuple[int, fl
             return []
     found = []
     for checkpoint in checkpoints:
-        if not all(is_complete(path) for path in checkpoint.files):
+        if not all(seen_complete(path) for path in checkpoint.files):
             break
         found.append((checkpoint.number,
                       max((path.stat().st_mtime for path in checkpoint.files), default=0.0)))
