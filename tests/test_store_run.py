@@ -33,6 +33,7 @@ from chkq.errors import (
 )
 from chkq.log import CheckpointLog
 from chkq.staging import (
+    SourceObject,
     StoreRun,
     default_output_key,
     delete_sources,
@@ -467,6 +468,40 @@ def test_a_fetch_delivered_again_keeps_what_is_there(log_run: bool, tmp_path: Pa
     assert fetch_objects(found, found.names, into) == rest
     assert {n: (into / n).stat().st_ino for n in first} == before, "kept, not rewritten"
     assert tree(into) == {n: (original / n).read_bytes() for n in found.names}
+
+
+@pytest.mark.parametrize("theirs", ["pinned", "other bytes"])
+def test_a_fetch_that_another_delivery_finishes_first_keeps_its_file_if_it_is_the_object(
+        theirs: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted worker gets its unfinished fetch at once, while the killed worker's pool
+    process may still be fetching the same object: the second to link keeps the first's
+    file when it holds the pinned bytes, and refuses (changing nothing) when not."""
+    url, store, put = make_source("file", None, tmp_path)  # type: ignore[arg-type]
+    original = tmp_path / "original"
+    make_run(original, "run", SHAPES["flat"])
+    names = upload_run(original, put)
+    monkeypatch.setattr(LocalDirectoryStore, "link_to",
+                        lambda *args: (_ for _ in ()).throw(OSError(errno.EXDEV, "no link")))
+    found = find_store_run(url, "run")
+    into = tmp_path / "fetched"
+    into.mkdir()
+    target = into / names[0]
+    real_copy = fetching._copy_plain
+
+    def raced(store: CheckpointStore, run: StoreRun, obj: SourceObject, fd: int) -> str:
+        if obj.name == names[0]:
+            data = (original / names[0]).read_bytes()
+            target.write_bytes(data if theirs == "pinned" else flipped(data))
+        return real_copy(store, run, obj, fd)
+
+    monkeypatch.setattr(fetching, "_copy_plain", raced)
+    if theirs == "pinned":
+        fetch_objects(found, found.names, into)
+        assert tree(into) == {n: (original / n).read_bytes() for n in names}
+    else:
+        with pytest.raises(OutputExistsError, match=names[0]):
+            fetch_objects(found, found.names, into)
+        assert tree(into) == {names[0]: flipped((original / names[0]).read_bytes())}
 
 
 def test_a_name_not_of_the_run_is_refused(tmp_path: Path) -> None:

@@ -342,8 +342,14 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
         kept = _already_there(store, log, run, obj, dir_fd, target)
         if kept is not None:
             return 0, _placed(obj, dir_fd, parts[-1], kept)
-        if log is None and store.supports_links \
-                and _linked(store, run, obj, dir_fd, parts[-1], target):
+        if log is None and store.supports_links:
+            try:
+                linked = _linked(store, run, obj, dir_fd, parts[-1])
+            except FileExistsError:
+                return 0, _placed_meanwhile(store, log, run, obj, dir_fd, target)
+        else:
+            linked = False
+        if linked:
             made.append((os.dup(dir_fd), parts[-1], False))
             os.fsync(dir_fd)
             fd = os.open(parts[-1], READ_NONBLOCK, dir_fd=dir_fd)
@@ -367,8 +373,7 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
                 os.link(temp, parts[-1], src_dir_fd=dir_fd, dst_dir_fd=dir_fd,
                         follow_symlinks=False)
             except FileExistsError:
-                raise OutputExistsError(
-                    f"{str(target)!r} exists; a fetch never overwrites") from None
+                return 0, _placed_meanwhile(store, log, run, obj, dir_fd, target)
             made.append((os.dup(dir_fd), parts[-1], False))
         finally:
             with contextlib.suppress(OSError):
@@ -377,20 +382,46 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
         return obj.size, _placed(obj, dir_fd, parts[-1], digest)
 
 
+def _placed_meanwhile(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
+                      obj: SourceObject, dir_fd: int, target: Path) -> FetchedFile:
+    """The file another delivery of the same fetch put at ``target`` while this one fetched.
+
+    A worker restarted under its name is handed its unfinished tasks at once,
+    while a pool process of the killed one may still be fetching the same
+    object: whichever links its copy second keeps the first's, if it holds
+    the pinned bytes.
+
+    Raises
+    ------
+    OutputExistsError
+        If what is there is not the object's pinned bytes.
+    """
+    kept = _already_there(store, log, run, obj, dir_fd, target)
+    if kept is None:
+        raise OutputExistsError(f"{str(target)!r} came and went while it was fetched; a "
+                                "fetch never overwrites")
+    return _placed(obj, dir_fd, target.name, kept)
+
+
 def _linked(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd: int,
-            name: str, target: Path) -> bool:
+            name: str) -> bool:
     """Fetch a local store's object by a hard link to its pinned file; False if it cannot be.
 
     A store on the scratch directory's filesystem then costs no copy. An
     object that is no longer the pinned version fails the fetch, as a read
     would; one the kernel will not link (another filesystem, another user's
     file under ``fs.protected_hardlinks``) is copied instead.
+
+    Raises
+    ------
+    FileExistsError
+        If ``name`` exists (another delivery of the fetch linked it first).
     """
     try:
         if store.link_to(obj.key, ObjectVersion(obj.size, obj.version), dir_fd, name):
             return True
     except FileExistsError:
-        raise OutputExistsError(f"{str(target)!r} exists; a fetch never overwrites") from None
+        raise
     except OSError:
         return False
     raise _changed(run, obj.name)
