@@ -124,16 +124,25 @@ def test_a_commit_to_an_unreachable_store_fails_within_one_budget_and_says_it_re
     assert elapsed < 60, f"took {elapsed:.0f} s with a 2 s budget"
 
 
+class Unreachable:
+    """A store that refuses every connection, on a clock the retries advance by sleeping."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.clock = [1000.0]
+        self.calls: list[float] = []
+        monkeypatch.setattr(store_retry.time, "monotonic", lambda: self.clock[0])
+        monkeypatch.setattr(store_retry.time, "sleep",
+                            lambda s: self.clock.__setitem__(0, self.clock[0] + s))
+
+    def __call__(self) -> None:
+        self.calls.append(self.clock[0])
+        raise ConnectionError("refused")
+
+
 def test_store_operations_inside_one_budget_share_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two operations against a store that keeps failing: the second gets what the first left."""
-    clock = [1000.0]
-    monkeypatch.setattr(store_retry.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(store_retry.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    calls: list[float] = []
-
-    def unreachable() -> None:
-        calls.append(clock[0])
-        raise ConnectionError("refused")
+    unreachable = Unreachable(monkeypatch)
+    calls = unreachable.calls
 
     def operation() -> None:
         store_retry.retry_transient(unreachable, is_transient=lambda e: True, what="op",
@@ -155,14 +164,8 @@ def test_a_shared_budget_starts_with_the_first_store_operation(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Slow work inside the block before any store operation (a loaded node) leaves it whole."""
-    clock = [1000.0]
-    monkeypatch.setattr(store_retry.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(store_retry.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    calls: list[float] = []
-
-    def unreachable() -> None:
-        calls.append(clock[0])
-        raise ConnectionError("refused")
+    unreachable = Unreachable(monkeypatch)
+    clock, calls = unreachable.clock, unreachable.calls
 
     with store_retry.overall_budget(2.0):
         clock[0] += 5.0
