@@ -20,16 +20,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from chkq.config.celery_app import get_app
 from chkq.config.routing import NODE_QUEUE_PREFIX
-from chkq.errors import (  # noqa: F401 (re-exported)
-    ForgedRecordError,
-    JobCancelledError,
-    JobFailedError,
-    JobLostError,
-    OutputExistsError,
-    RunBusyError,
-    RunNotFoundError,
-    WaitTimeoutError,
-)
 from chkq.tasks.state import job_status
 
 if TYPE_CHECKING:
