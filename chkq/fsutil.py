@@ -194,3 +194,26 @@ def private_directory(path: Path) -> Path:
                               "refused (set CHKQ_SCRATCH_DIR to a private directory)",
                               str(path))
     return path
+
+
+def give_access(fd: int, mode: int, uid: int, gid: int) -> None:
+    """Give the file open as ``fd`` ``mode``, owner ``uid`` and group ``gid``, as far as we may.
+
+    The owner and group change where the writer may change them (a worker
+    running as root, or as the owner); ``-1`` keeps the file's own. Where
+    they cannot change, the file stays the writer's, and its group bits are
+    dropped unless its group is ``gid``, so that no other group can read it.
+    """
+    found = os.fstat(fd)
+    want_uid = uid if uid >= 0 else found.st_uid
+    want_gid = gid if gid >= 0 else found.st_gid
+    if (want_uid, want_gid) != (found.st_uid, found.st_gid):
+        try:
+            os.fchown(fd, want_uid, want_gid)
+        except PermissionError:
+            with contextlib.suppress(PermissionError):
+                os.fchown(fd, -1, want_gid)
+        found = os.fstat(fd)
+    if gid < 0 or found.st_gid != gid:
+        mode &= ~0o070
+    os.fchmod(fd, mode)

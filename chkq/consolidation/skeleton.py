@@ -38,7 +38,6 @@ store the template's parameters (part files, chunk encoding) are
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
@@ -58,6 +57,7 @@ from chkq.consolidation.recreation import (
     replace_links,
 )
 from chkq.consolidation.rowio import ByteCopier
+from chkq.fsutil import give_access
 from chkq.rundir import CREATE, RunDir, fd_path
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
@@ -143,20 +143,7 @@ def _apply_access(fd: int, access: tuple[int, int, int]) -> None:
     stays the worker's, and group bits are dropped when its group is not
     the checkpoints' own, so that no other group can read it.
     """
-    mode, uid, gid = access
-    st = os.fstat(fd)
-    want_uid = uid if uid >= 0 else st.st_uid
-    want_gid = gid if gid >= 0 else st.st_gid
-    if (want_uid, want_gid) != (st.st_uid, st.st_gid):
-        try:
-            os.fchown(fd, want_uid, want_gid)
-        except PermissionError:
-            with contextlib.suppress(PermissionError):
-                os.fchown(fd, -1, want_gid)
-        st = os.fstat(fd)
-    if gid < 0 or st.st_gid != gid:
-        mode &= ~0o070
-    os.fchmod(fd, mode)
+    give_access(fd, *access)
 
 
 def copy_template(src: int, out: int, skip: list[tuple[int, int]] | None = None) -> None:

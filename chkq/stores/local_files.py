@@ -17,6 +17,7 @@ import secrets
 import stat
 
 from chkq.errors import SymlinkInStoreError
+from chkq.fsutil import give_access
 from chkq.rundir import CREATE, DIRECTORY, READ_NONBLOCK, fd_path
 from chkq.stores.objects import FileAccess, ObjectVersion
 
@@ -104,22 +105,8 @@ def _give(fd: int, access: FileAccess | None) -> None:
     its group is the one asked for, so that no other group can read it.
     Without ``access`` the file keeps the mode it was created with.
     """
-    if access is None:
-        return
-    found = os.fstat(fd)
-    want_uid = access.uid if access.uid >= 0 else found.st_uid
-    want_gid = access.gid if access.gid >= 0 else found.st_gid
-    if (want_uid, want_gid) != (found.st_uid, found.st_gid):
-        try:
-            os.fchown(fd, want_uid, want_gid)
-        except PermissionError:
-            with contextlib.suppress(PermissionError):
-                os.fchown(fd, -1, want_gid)
-        found = os.fstat(fd)
-    mode = access.mode & 0o777
-    if access.gid < 0 or found.st_gid != access.gid:
-        mode &= ~0o070
-    os.fchmod(fd, mode)
+    if access is not None:
+        give_access(fd, access.mode & 0o777, access.uid, access.gid)
 
 
 class PrivateFile:
