@@ -27,10 +27,9 @@ import pytest
 from h5py import h5d, h5p, h5s, h5t, h5z
 
 from chkq.consolidation.driver import consolidate_here
-from chkq.consolidation.h5types import stored_chunks
 from chkq.workers.client import submit_consolidation
 from support.corpus_expect import compare
-from support.h5runs import TIMEOUT, make_run
+from support.h5runs import TIMEOUT, chunk_infos, make_run
 from support.helpers import assert_consolidated
 from support.plugins.cluster import WorkerProcess
 
@@ -88,7 +87,7 @@ def assert_edges_plain(output: Path) -> None:
             assert chunk_opts(dsid.get_create_plist()) == DONT_FILTER_PARTIAL_CHUNKS, name
             chunk, shape = dsid.get_create_plist().get_chunk(), dsid.shape
             size = int(np.prod(chunk)) * dsid.get_type().get_size()
-            for info in stored_chunks(dsid):
+            for info in chunk_infos(dsid):
                 if any(o + c > s for o, c, s in zip(info.chunk_offset, chunk, shape,
                                                     strict=True)):
                     assert info.size == size, (name, info.chunk_offset)

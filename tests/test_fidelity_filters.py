@@ -27,12 +27,11 @@ from h5py import h5d, h5p, h5s, h5t, h5z
 
 from chkq.consolidation.driver import consolidate_here
 from chkq.consolidation.filter_pipelines import create_extensible, stored_filters
-from chkq.consolidation.h5types import stored_chunks
 from chkq.consolidation.output_check import check_output
 from chkq.errors import BadCheckpointError, OutputMismatchError
 from chkq.workers.client import submit_consolidation
 from support.corpus_expect import compare
-from support.h5runs import TIMEOUT, make_run, refused
+from support.h5runs import TIMEOUT, chunk_infos, make_run, refused
 from support.helpers import assert_consolidated, snapshot
 from support.plugins.cluster import WorkerProcess
 
@@ -121,7 +120,7 @@ def test_a_part_dataset_stores_its_templates_filter_parameters(tmp_path: Path,
             # The template's own object, its chunks replaced by the part's as stored.
             ref.copy(source, moved, "data")
             for offset in [tuple(int(o) for o in info.chunk_offset)
-                           for info in stored_chunks(made.id)]:
+                           for info in chunk_infos(made.id)]:
                 mask, chunk = made.id.read_direct_chunk(offset)
                 moved["data"].id.write_direct_chunk(offset, chunk, mask)
             np.testing.assert_array_equal(moved["data"][()], source[()])

@@ -15,7 +15,6 @@ import h5py
 import numpy as np
 import pytest
 
-from chkq.consolidation.h5types import stored_chunks
 from chkq.consolidation.layout import (
     ChunkExtent,
     LayoutImage,
@@ -25,6 +24,7 @@ from chkq.consolidation.layout import (
 )
 from chkq.errors import BadCheckpointError
 from support.corpus_expect import compare
+from support.h5runs import chunk_infos
 
 ROWS = (512, 1024, 256)
 
@@ -61,7 +61,7 @@ def _source_chunks(paths: list[Path]) -> dict[str, list[tuple[int, int, int, int
         with h5py.File(path, "r") as f:
             for name in EXTENSIBLE:
                 dsid = f[name].id
-                for info in stored_chunks(dsid):
+                for info in chunk_infos(dsid):
                     found[name].append((index, base + info.chunk_offset[0], info.byte_offset,
                                         info.size, info.filter_mask))
             base += f["auto"].shape[0]

@@ -25,7 +25,6 @@ import pytest
 from chkq.config.celery_app import get_app
 from chkq.config.routing import CONTROL_QUEUE
 from chkq.consolidation.driver import consolidate_here
-from chkq.consolidation.h5types import stored_chunks
 from chkq.consolidation.merge import merge_items
 from chkq.errors import JobCancelledError
 from chkq.jobs.keys import deliveries as deliveries_key
@@ -33,7 +32,7 @@ from chkq.tasks.consolidate import task_id
 from chkq.tasks.state import records
 from chkq.workers.cancel import cancel_job
 from chkq.workers.client import submit_consolidation
-from support.h5runs import make_run
+from support.h5runs import chunk_infos, make_run
 from support.helpers import snapshot, wait_for
 from support.plugins.cluster import WorkerProcess
 from support.plugins.faults import Cluster, leftovers
@@ -81,7 +80,7 @@ def assert_same_output(output: Path, reference: Path, files: list[Path]) -> None
     with h5py.File(output) as out, h5py.File(reference) as ref:
         x, rx = out["x"], ref["x"]
         assert x.shape == rx.shape == (sum(ROWS + 7 * n for n in (1, 2, 3)), 4)
-        chunks, expected = stored_chunks(x.id), stored_chunks(rx.id)
+        chunks, expected = chunk_infos(x.id), chunk_infos(rx.id)
         assert ([(c.chunk_offset, c.filter_mask) for c in chunks]
                 == [(c.chunk_offset, c.filter_mask) for c in expected])
         assert (x.compression, x.chunks) == (rx.compression, rx.chunks) == ("gzip", (16, 4))

@@ -162,14 +162,3 @@ def set_chunk_options(dcpl: h5p.PropDCID, options: int) -> None:
 def unfiltered_edges(dcpl: h5p.PropDCID) -> bool:
     """Whether a dataset stores its partial edge chunks without its filters."""
     return dcpl.get_nfilters() > 0 and bool(chunk_options(dcpl) & DONT_FILTER_PARTIAL_CHUNKS)
-
-
-def stored_chunks(dsid: h5d.DatasetID) -> list[h5d.StoreInfo]:
-    """Every stored chunk of a chunked dataset, in the index's order, read in one pass.
-
-    ``get_chunk_info(i)`` walks the chunk index from its start for each
-    ``i``: a loop over it is quadratic in the number of chunks.
-    """
-    found: list[h5d.StoreInfo] = []
-    dsid.chunk_iter(found.append)
-    return found

@@ -28,7 +28,7 @@ from typing import Any
 
 import h5py
 
-from chkq.consolidation.h5types import stored_chunks
+from chkq.consolidation.checkpoint_files import chunk_index
 from chkq.errors import BadCheckpointError
 
 #: Bytes of a placeholder's head: a mark of 16 random bytes and its chunk's tag (8 bytes).
@@ -225,7 +225,8 @@ def check_chunk_map(dataset: h5py.Dataset, planned: dict[tuple[int, ...], ChunkE
     """
     problems = []
     dsid = dataset.id
-    found = {tuple(info.chunk_offset): info for info in stored_chunks(dsid)}
+    found = {tuple(info.chunk_offset): info
+             for info in chunk_index(dsid, dataset.chunks, dataset.shape).values()}
     for where in sorted(set(found) | set(planned)):
         info, plan = found.get(where), planned.get(where)
         if info is None or plan is None:

@@ -33,7 +33,7 @@ import hdf5plugin  # noqa: F401  (registers Blosc, LZ4, Zstd, BZip2... with HDF5
 import numpy as np
 from h5py import h5d, h5l, h5o, h5r, h5s, h5t, h5z
 
-from chkq.consolidation.h5types import stored_chunks
+from chkq.consolidation.checkpoint_files import chunk_index
 
 CHECKPOINT_DIR = re.compile(r"_chk\d{5}$")
 MAX_DIFFS = 200
@@ -360,7 +360,7 @@ def raw_chunks(ds: h5py.Dataset) -> tuple[Any, ...]:
     """Stored chunks as (logical offset, filter mask, bytes): for data no filter decodes."""
     dsid = ds.id
     found = []
-    for info in stored_chunks(dsid):
+    for info in chunk_index(dsid, dsid.get_create_plist().get_chunk(), dsid.shape).values():
         mask, data = dsid.read_direct_chunk(info.chunk_offset)
         found.append((tuple(info.chunk_offset), mask, bytes(data)))
     return tuple(sorted(found))

@@ -8,8 +8,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from h5py import h5a, h5f, h5s, h5t
+from h5py import h5a, h5d, h5f, h5s, h5t
 
+from chkq.consolidation.checkpoint_files import chunk_index
 from chkq.workers.client import submit_consolidation
 from support.helpers import snapshot
 
@@ -49,3 +50,7 @@ def refused(run: Path, pattern: str) -> str:
     assert snapshot(run) == before, "a refused job left or changed files"
     return str(caught.value)
 
+
+def chunk_infos(dsid: h5d.DatasetID) -> list[h5d.StoreInfo]:
+    """Every stored chunk of a chunked dataset, in HDF5's index order (one pass)."""
+    return list(chunk_index(dsid, dsid.get_create_plist().get_chunk(), dsid.shape).values())
