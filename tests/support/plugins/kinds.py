@@ -62,25 +62,10 @@ def kinds_of(item: pytest.Item) -> set[str]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its kinds; run the modules of long tests first.
-
-    Modules holding ``slow`` tests come first, then those with ``fault`` or
-    ``integration`` tests, then the rest, each group in its collection order.
-
-    Side by side, the suite's wall time is at least its longest test's: started first,
-    the long fault scenarios run beside the many short tests instead of after them. A
-    module's tests stay together (its module-scoped fixtures start once).
-    """
     for item in items:
         for kind in sorted(kinds_of(item)):
             if item.get_closest_marker(kind) is None:
                 item.add_marker(kind)
-    rank: dict[object, int] = {}
-    for item in items:
-        kind = 0 if item.get_closest_marker("slow") else 1 if (
-            item.get_closest_marker("fault") or item.get_closest_marker("integration")) else 2
-        rank[item.module] = min(rank.get(item.module, 2), kind)
-    items.sort(key=lambda item: rank[item.module])
 
 
 def _refuse(what: str) -> Any:
