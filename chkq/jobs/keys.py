@@ -28,6 +28,14 @@ key                                  what
 ``chkq:rate:KIND``                   hash: node -> its bytes per second at KIND
 ``chkq:deliveries:TASK:N[:rR]``      how often one task message was delivered
 ===================================  ==============================================
+
+Two more live in the broker's database, beside kombu's queues:
+
+===================================  ==============================================
+``chkq:ring:QUEUE``                  list: one token per message sent to QUEUE, which
+                                     wakes an idle consumer (any queue name)
+``chkq:popped:CONSUMER``             the last message one consumer took, and its call
+===================================  ==============================================
 """
 
 from __future__ import annotations
@@ -73,6 +81,16 @@ def job_records(job: str, names: tuple[str, ...] = RECORDS) -> list[str]:
 def job_pattern(prefix: str = "") -> str:
     """A SCAN pattern matching the submission record of every job whose id starts so."""
     return _join("job", f"{prefix}*", "info")
+
+
+def ring(queue: str) -> str:
+    """The broker list whose tokens tell consumers of ``queue`` that a message waits."""
+    return f"{PREFIX}{SEP}ring{SEP}{queue}"
+
+
+def popped(consumer: str) -> str:
+    """The broker key naming the last message that ``consumer`` took from a queue."""
+    return _join("popped", consumer)
 
 
 def rate(kind: str) -> str:

@@ -28,20 +28,81 @@ request, or nothing heard of but whose pool process has not exited yet,
 waits until it has, so a task is never handed back while it runs. A
 message whose recording failed is kept whole and goes back to its queue the
 same way (recorded or not, it is handed back once).
+
+kombu takes a message with ``BRPOP``: if Redis dies after the pop and before
+its answer reaches the worker (the pop is in its append-only file, the reply
+never sent), the message is in no queue and no index, and nothing would
+ever deliver it again. So a consumer here never pops with ``BRPOP``. It
+takes a message with a script that, in one step, pops it, records it in the
+unacknowledged index (where the visibility timeout finds it if the worker
+dies) and notes under the consumer's ``popped`` key which call took it; an
+answer lost with the connection is then found by that key and the message
+handed back at once. A script cannot block, so an idle consumer waits with
+``BRPOP`` on its queues' *rings* instead: every message sent through this
+transport pushes a token there, and a lost token costs only the wait (one
+``brpop_timeout``) before the next look at the queues.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+import uuid
 import weakref
+from itertools import count
+from queue import Empty
 from typing import Any
 
 from kombu.transport import redis
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+from chkq.jobs import keys
 
 log = logging.getLogger("chkq.worker")
 
 #: Seconds between two attempts to settle orphaned messages while any are left.
 SETTLE_INTERVAL = 1.0
+
+#: Most tokens a queue's ring keeps (a consumer that finds messages keeps taking them).
+RING_TOKENS = 1000
+
+#: Pops, from the first of ``KEYS[1..n]`` that holds one, a message, and in the same step
+#: records it as kombu's ``QoS.append`` would (``KEYS[2n+2]`` the unacknowledged hash,
+#: ``KEYS[2n+3]`` its index, ``ARGV[2]`` the time), drops a token of its queue's ring
+#: ``KEYS[n+i]`` if ``ARGV[3]`` is 1, and notes ``ARGV[4] .. " " .. tag`` under the
+#: consumer's key ``KEYS[2n+1]`` for ``ARGV[5]`` seconds. Returns ``{key, message}``,
+#: or nil (and forgets the note).
+POP_SCRIPT = """
+local n = tonumber(ARGV[1])
+for i = 1, n do
+    local item = redis.call('RPOP', KEYS[i])
+    if item then
+        if ARGV[3] == '1' then
+            redis.call('RPOP', KEYS[n + i])
+        end
+        local ok, message = pcall(cjson.decode, item)
+        if ok and type(message) == 'table' and type(message.properties) == 'table'
+                and message.properties.delivery_tag then
+            local tag = tostring(message.properties.delivery_tag)
+            local info = message.properties.delivery_info
+            if type(info) ~= 'table' then
+                info = {}
+            end
+            redis.call('ZADD', KEYS[2 * n + 3], ARGV[2], tag)
+            redis.call('HSET', KEYS[2 * n + 2], tag, '[' .. item .. ','
+                .. cjson.encode(info.exchange or '') .. ','
+                .. cjson.encode(info.routing_key or '') .. ']')
+            redis.call('SET', KEYS[2 * n + 1], ARGV[4] .. ' ' .. tag, 'EX', ARGV[5])
+        end
+        return {KEYS[i], item}
+    end
+end
+redis.call('DEL', KEYS[2 * n + 1])
+return false
+"""
+
+_POP, _WAIT = "pop", "wait"
 
 RESTORE, ACK, REQUEUE = "restore", "ack", "requeue"
 
@@ -87,6 +148,7 @@ class Orphans:
         self.pending: dict[Any, str] = {}
         self.pids: dict[Any, int | None] = {}
         self.messages: dict[Any, tuple[Any, str, str]] = {}
+        self.pops: dict[str, str] = {}
         self.channels: weakref.WeakSet[Channel] = weakref.WeakSet()
 
     def adopt(self, tags: list[Any]) -> None:
@@ -102,6 +164,11 @@ class Orphans:
         self.pending[tag] = RESTORE
         self.pids[tag] = None
         self.messages[tag] = message
+
+    def unread(self, consumer_key: str, call: str) -> None:
+        """The answer to pop ``call`` was lost with the connection: what it took, if
+        anything, is named under ``consumer_key`` and goes back to its queue."""
+        self.pops[consumer_key] = call
 
     def settled(self, tag: Any, action: str) -> None:
         """The task of ``tag`` ended (``ack``/``requeue``) on a lost channel.
@@ -123,12 +190,19 @@ class Orphans:
 
     def settle(self) -> None:
         """Settle every orphan no request holds, through a live channel (if there is one)."""
-        if not self.pending:
+        if not self.pending and not self.pops:
             return
         channel = self._live()
         if channel is None:
             return
         held = _requests()
+        for consumer_key, call in list(self.pops.items()):
+            try:
+                self._settle_pop(channel, consumer_key, call, held)
+            except channel.connection.connection_errors as exc:
+                log.warning("a lost pop not settled yet (%r): trying again", exc)
+                return
+            del self.pops[consumer_key]
         for tag, action in list(self.pending.items()):
             if tag in held or _alive(self.pids.get(tag)):
                 continue
@@ -148,6 +222,19 @@ class Orphans:
             else:
                 log.warning("message %s of a lost connection handed back to its queue", tag)
 
+    def _settle_pop(self, channel: Any, consumer_key: str, call: str,
+                    held: dict[Any, int | None]) -> None:
+        """Hand back the message that pop ``call`` took, if it took one and no one holds it."""
+        with channel.conn_or_acquire() as client:
+            noted = client.get(consumer_key)
+        found, _, tag = bytes_to_str(noted or b"").partition(" ")
+        if found == call and tag and tag not in held and tag not in self.pending:
+            _restore(channel, tag, None, leftmost=False)
+            log.warning("message %s taken as the broker connection broke handed back to "
+                        "its queue", tag)
+        with channel.conn_or_acquire() as client:
+            client.delete(consumer_key)
+
 
 def _restore(channel: Any, tag: Any, kept: tuple[Any, str, str] | None, leftmost: bool) -> None:
     """Put the message of ``tag`` back in its queue and out of the unacknowledged index.
@@ -155,9 +242,6 @@ def _restore(channel: Any, tag: Any, kept: tuple[Any, str, str] | None, leftmost
     As kombu's ``restore_by_tag``, in one transaction, but a message the index
     lacks (its recording was lost with the connection) is restored from ``kept``.
     """
-    from kombu.utils.encoding import bytes_to_str
-    from kombu.utils.json import loads
-
     def restore(pipe: Any) -> None:
         recorded = pipe.hget(channel.unacked_key, tag)
         pipe.multi()
@@ -213,13 +297,99 @@ class QoS(redis.QoS):
 
 
 class Channel(redis.Channel):
-    """Redis channel using :class:`QoS`, registered with :data:`ORPHANS`."""
+    """Redis channel using :class:`QoS`, registered with :data:`ORPHANS`, that takes
+    messages with :data:`POP_SCRIPT` and waits for them on its queues' rings."""
 
     QoS = QoS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         ORPHANS.channels.add(self)
+        self._consumer_key = keys.popped(uuid.uuid4().hex)
+        self._calls = count(1)
+        self._call = ""
+        self._sent = _WAIT
+        self._look = True
+        self._token = False
+
+    def _key(self, name: str) -> str:
+        return f"{self.global_keyprefix}{name}"
+
+    def _brpop_start(self, timeout: float | None = None) -> None:
+        """Send the next look at the queues (:data:`POP_SCRIPT`) or, after a look that
+        found nothing, a wait of up to ``timeout`` seconds for a token of their rings."""
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return
+        if self._look:
+            names = [self._q_for_pri(queue, pri) for pri in self.priority_steps
+                     for queue in queues]
+            rings = [keys.ring(name.rsplit(self.sep, 1)[0]) for name in names]
+            self._call = f"{next(self._calls)}"
+            command: list[Any] = [
+                "EVAL", POP_SCRIPT, 2 * len(names) + 3,
+                *(self._key(name) for name in (*names, *rings)),
+                self._key(self._consumer_key), self._key(self.unacked_key),
+                self._key(self.unacked_index_key),
+                len(names), repr(time.time()), "0" if self._token else "1", self._call,
+                max(1, int(self.visibility_timeout))]
+            self._sent = _POP
+        else:
+            wait = self.brpop_timeout if timeout is None else timeout
+            command = ["BRPOP", *(keys.ring(queue) for queue in queues), wait or 0]
+            if self.global_keyprefix:
+                command = self.client._prefix_args(command)
+            self._sent = _WAIT
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = time.monotonic()  # type: ignore[assignment]
+        self.client.connection.send_command(*command)
+
+    def _brpop_read(self, **options: Any) -> bool:
+        """Read the answer :meth:`_brpop_start` asked for: deliver a message it took, or
+        raise :class:`queue.Empty` (the next start looks, or waits, as this one found)."""
+        try:
+            try:
+                answer = self.client.parse_response(self.client.connection, "BRPOP",
+                                                    **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()
+                if self._sent == _POP:
+                    ORPHANS.unread(self._consumer_key, self._call)
+                raise
+            if self._sent == _WAIT:
+                self._look, self._token = True, bool(answer)
+                raise Empty()
+            self._token = False
+            if not answer:
+                self._look = False
+                raise Empty()
+            dest, item = answer
+            dest = bytes_to_str(dest).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(dest)
+            self.connection._deliver(loads(bytes_to_str(item)), dest)
+            return True
+        finally:
+            self._in_poll = None  # type: ignore[assignment]
+            self._flush_brpop_reauth()
+
+    def _put(self, queue: str, message: Any, **kwargs: Any) -> None:
+        """Send ``message`` as kombu does, then push a token to ``queue``'s ring."""
+        batch = kwargs.get("_publish_batch")
+        super()._put(queue, message, **kwargs)
+        if batch is not None:
+            batch.add("lpush", keys.ring(queue), "1")
+            batch.add("ltrim", keys.ring(queue), 0, RING_TOKENS - 1)
+            return
+        with self.conn_or_acquire() as client:
+            client.pipeline(transaction=False).lpush(keys.ring(queue), "1").ltrim(
+                keys.ring(queue), 0, RING_TOKENS - 1).execute()
+
+    def _do_restore_message(self, payload: Any, exchange: str, routing_key: str,
+                            pipe: Any, leftmost: bool = False) -> None:
+        """Put a message back in its queues as kombu does, with a token in each ring."""
+        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        for queue in self._lookup(exchange, routing_key):
+            pipe.lpush(keys.ring(queue), "1").ltrim(keys.ring(queue), 0, RING_TOKENS - 1)
 
 
 class Transport(redis.Transport):

@@ -11,6 +11,15 @@ task: it is not recorded here, and the request class
 (:class:`chkq.workers.runtime.request.WorkerLimitsRequest`) hands the message back
 to run again.
 
+Celery's Redis backend sends a chord's callback under a *claim*: the part
+that completes the chord takes it (a lease of some seconds), sends the
+callback, then marks the chord done. A part cut off between the claim and
+the mark (the backend went away, its node was killed) runs again, but finds
+the chord complete and the claim taken, and returns: no part is left to
+send the callback once the lease lapses, and the job waits for ever. Here
+a part that finds a claim not its own waits until it is marked done or
+lapses, and then sends the callback itself.
+
 :class:`RequeueOutages` is mixed into the app's backend class by the app
 factory, which names it by import string (:data:`chkq.config.celery_app.BACKEND_MIXIN`).
 """
@@ -18,6 +27,7 @@ factory, which names it by import string (:data:`chkq.config.celery_app.BACKEND_
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import states
@@ -26,6 +36,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger("chkq.worker")
+
+#: Longest wait, in seconds, for another part's claim on a chord's callback to end.
+CLAIM_WAIT_SECONDS = 120.0
+
+#: Seconds between two looks at a chord's claim.
+CLAIM_POLL_SECONDS = 0.25
+
+_DONE = b"done"
 
 #: Errors of a task that mean "the broker or the result backend did not answer".
 OUTAGE_ERRORS: tuple[type[BaseException], ...] = (
@@ -39,7 +57,43 @@ def is_outage(exc: BaseException | None) -> bool:
 
 
 class RequeueOutages:
-    """Backend mixin: a task's outage error is neither stored nor passed to chords/errbacks."""
+    """Backend mixin: a task's outage error is neither stored nor passed to chords/errbacks,
+    and a chord whose claim lapsed with its callback unsent is completed."""
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any,
+                             propagate: Any = None, **kwargs: Any) -> Any:
+        answer = super().on_chord_part_return(  # type: ignore[misc]
+            request, state, result, propagate=propagate, **kwargs)
+        group = getattr(request, "group", None)
+        if not group or not hasattr(self, "get_key_for_group"):
+            return answer
+        if self._claim_lapsed(group):
+            log.warning("chord %s: the claim on its callback lapsed unsent (its holder was "
+                        "cut off); sending the callback", group)
+            return super().on_chord_part_return(  # type: ignore[misc]
+                request, state, result, propagate=propagate, **kwargs)
+        return answer
+
+    def _claim_lapsed(self, group: str) -> bool:
+        """Wait while another part holds the claim on ``group``'s callback: True if the
+        claim lapsed with the chord not marked done (the callback is not sent yet)."""
+        client = self.client  # type: ignore[attr-defined]
+        claim_key = self.get_key_for_group(group, ".c")  # type: ignore[attr-defined]
+        size_key = self.get_key_for_group(group, ".s")  # type: ignore[attr-defined]
+        claim = client.get(claim_key)
+        if claim is None or claim == _DONE:
+            return False
+        deadline = time.monotonic() + CLAIM_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(CLAIM_POLL_SECONDS)
+            claim = client.get(claim_key)
+            if claim == _DONE:
+                return False
+            if claim is None:
+                return bool(client.exists(size_key))
+        log.warning("chord %s: its callback's claim is still held after %.0f s", group,
+                    CLAIM_WAIT_SECONDS)
+        return False
 
     def mark_as_failure(self, task_id: str, exc: BaseException, traceback: Any = None,
                         request: Any = None, store_result: bool = True,
