@@ -98,6 +98,13 @@ def _stop_if_cancelled(job: str) -> None:
         raise Ignore()
 
 
+def _stop_if_done(job: str) -> None:
+    """A step of a job already published (a message delivered again late) does nothing."""
+    if records().finished_result(job) is not None:
+        log.warning("job=%s is done: a late delivery of one of its steps not run", job)
+        raise Ignore()
+
+
 def _checked_unit(unit: Any, count: int, job: str, kind: str) -> int:
     """``unit`` if it is an int naming one of the job's ``count`` units, else ValueError."""
     if isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < count:
@@ -172,7 +179,7 @@ def job_step(body: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any
 
     The message's directory, model and job id are checked (the directory
     resolved and checked against ``CHKQ_ALLOWED_ROOTS``) before any file is
-    touched, and a step of a cancelled job stops, before the delivery is
+    touched, and a step of a cancelled or finished job stops, before the delivery is
     counted and the start line logged. The body gets the resolved
     directory. A write that fails for want of space (or a filesystem turned
     read-only) is restated naming the file and the filesystem.
@@ -196,6 +203,7 @@ def _job_message(self: ChkqTask, out_dir: str, model: str, job: str, *args: Any,
     """A job step's message checked: its directory resolved, its job not cancelled."""
     directory, model, job = _checked(out_dir, model, job)
     _stop_if_cancelled(job)
+    _stop_if_done(job)
     return Checked(job, (str(directory), model, job, *args), kwargs,
                    {"model": model, **_what(args, kwargs)})
 

@@ -26,7 +26,7 @@ from celery.backends.redis import CHORD_CLAIM_EXTEND_LUA, CHORD_CLEANUP_LUA
 from chkq.demo import make_run
 from chkq.tasks.state import job_status
 from chkq.workers.client import submit_consolidation
-from support.helpers import assert_consolidated
+from support.helpers import assert_consolidated, wait_for
 from support.plugins.faults import SLOW_RUN, Cluster, leftovers
 from support.redis_cut import RedisCut
 
@@ -62,6 +62,14 @@ def _run_through(cluster: Cluster, cut: RedisCut, tmp_path: Path,
     assert cut.cuts == 1, "the proxy never saw its instant"
     assert_consolidated(output, files)
     assert leftovers(run) == []
+    broker = cluster.client()
+    try:
+        wait_for(lambda: broker.hlen("unacked") == 0, 30, "every message to be acknowledged")
+    except AssertionError:
+        raise AssertionError(f"left unacknowledged: {broker.hgetall('unacked')}; worker log:\n"
+                             f"{cluster.workers[0].log()[-12000:]}") from None
+    rings = list(broker.scan_iter(match="chkq:ring:*"))
+    assert all(broker.ttl(ring) > 0 for ring in rings), "a ring that never expires"
 
 
 #: What marks each message in the answer that hands it out: its task's name, or the end of

@@ -127,6 +127,24 @@ def _redelivery(units: list[UnitState]) -> None:
             unit.redelivery = "its message is neither queued nor held by the broker"
 
 
+def broker_holds(task_id: str) -> bool | None:
+    """Whether the broker holds a message of task ``task_id``, queued or delivered and not
+    acknowledged; None if that cannot be read (RabbitMQ gives no look inside its queues,
+    or Redis did not answer)."""
+    import redis
+
+    from chkq.config.celery_app import get_app
+    from chkq.config.settings import AMQP_SCHEMES, broker_scheme
+
+    if broker_scheme(get_app().conf.broker_url) in AMQP_SCHEMES:
+        return None
+    try:
+        delivered, queued = _redis_held({task_id})
+    except (redis.RedisError, OSError):
+        return None
+    return task_id in delivered or task_id in queued
+
+
 def _redis_held(tasks: set[str]) -> tuple[dict[str, float], set[str]]:
     """Of ``tasks``: when each delivered but unacknowledged message was delivered, and
     which wait in a queue, read from kombu's Redis transport (its ``unacked`` hash of

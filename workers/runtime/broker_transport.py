@@ -67,12 +67,16 @@ SETTLE_INTERVAL = 1.0
 #: Most tokens a queue's ring keeps (a consumer that finds messages keeps taking them).
 RING_TOKENS = 1000
 
-#: Pops, from the first of ``KEYS[1..n]`` that holds one, a message, and in the same step
+#: Seconds a ring outlives the last message sent to its queue (reply queues come and go).
+RING_SECONDS = 3600
+
+#: Pops, from the first of ``KEYS[1..n]`` that holds one, a message; drops a token of its
+#: queue's ring ``KEYS[n+i]`` if ``ARGV[3]`` is 1; and, if the ``i``-th character of
+#: ``ARGV[6]`` is 1 (its queue is consumed with acknowledgements), in the same step
 #: records it as kombu's ``QoS.append`` would (``KEYS[2n+2]`` the unacknowledged hash,
-#: ``KEYS[2n+3]`` its index, ``ARGV[2]`` the time), drops a token of its queue's ring
-#: ``KEYS[n+i]`` if ``ARGV[3]`` is 1, and notes ``ARGV[4] .. " " .. tag`` under the
-#: consumer's key ``KEYS[2n+1]`` for ``ARGV[5]`` seconds. Returns ``{key, message}``,
-#: or nil (and forgets the note).
+#: ``KEYS[2n+3]`` its index, ``ARGV[2]`` the time) and notes ``ARGV[4] .. " " .. tag``
+#: under the consumer's key ``KEYS[2n+1]`` for ``ARGV[5]`` seconds. Returns
+#: ``{key, message}``, or nil (and forgets the note).
 POP_SCRIPT = """
 local n = tonumber(ARGV[1])
 for i = 1, n do
@@ -82,8 +86,8 @@ for i = 1, n do
             redis.call('RPOP', KEYS[n + i])
         end
         local ok, message = pcall(cjson.decode, item)
-        if ok and type(message) == 'table' and type(message.properties) == 'table'
-                and message.properties.delivery_tag then
+        if string.sub(ARGV[6], i, i) == '1' and ok and type(message) == 'table'
+                and type(message.properties) == 'table' and message.properties.delivery_tag then
             local tag = tostring(message.properties.delivery_tag)
             local info = message.properties.delivery_info
             if type(info) ~= 'table' then
@@ -311,6 +315,17 @@ class Channel(redis.Channel):
         self._sent = _WAIT
         self._look = True
         self._token = False
+        self._acknowledged: set[str] = set()
+
+    def basic_consume(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        """Consume ``queue`` as kombu does, minding whether its messages are acknowledged
+        (a message of a queue consumed without is never recorded as unacknowledged)."""
+        no_ack = kwargs["no_ack"] if "no_ack" in kwargs else (args[0] if args else False)
+        if no_ack:
+            self._acknowledged.discard(queue)
+        else:
+            self._acknowledged.add(queue)
+        return super().basic_consume(queue, *args, **kwargs)
 
     def _key(self, name: str) -> str:
         return f"{self.global_keyprefix}{name}"
@@ -322,9 +337,12 @@ class Channel(redis.Channel):
         if not queues:
             return
         if self._look:
-            names = [self._q_for_pri(queue, pri) for pri in self.priority_steps
+            pairs = [(queue, self._q_for_pri(queue, pri)) for pri in self.priority_steps
                      for queue in queues]
-            rings = [keys.ring(name.rsplit(self.sep, 1)[0]) for name in names]
+            names = [name for _, name in pairs]
+            rings = [keys.ring(queue) for queue, _ in pairs]
+            recorded = "".join("1" if queue in self._acknowledged else "0"
+                               for queue, _ in pairs)
             self._call = f"{next(self._calls)}"
             command: list[Any] = [
                 "EVAL", POP_SCRIPT, 2 * len(names) + 3,
@@ -332,7 +350,7 @@ class Channel(redis.Channel):
                 self._key(self._consumer_key), self._key(self.unacked_key),
                 self._key(self.unacked_index_key),
                 len(names), repr(time.time()), "0" if self._token else "1", self._call,
-                max(1, int(self.visibility_timeout))]
+                max(1, int(self.visibility_timeout)), recorded]
             self._sent = _POP
         else:
             wait = self.brpop_timeout if timeout is None else timeout
@@ -377,19 +395,29 @@ class Channel(redis.Channel):
         batch = kwargs.get("_publish_batch")
         super()._put(queue, message, **kwargs)
         if batch is not None:
-            batch.add("lpush", keys.ring(queue), "1")
-            batch.add("ltrim", keys.ring(queue), 0, RING_TOKENS - 1)
+            for command, *args in _ring_commands(queue):
+                batch.add(command, *args)
             return
         with self.conn_or_acquire() as client:
-            client.pipeline(transaction=False).lpush(keys.ring(queue), "1").ltrim(
-                keys.ring(queue), 0, RING_TOKENS - 1).execute()
+            pipe = client.pipeline(transaction=False)
+            for command, *args in _ring_commands(queue):
+                getattr(pipe, command)(*args)
+            pipe.execute()
 
     def _do_restore_message(self, payload: Any, exchange: str, routing_key: str,
                             pipe: Any, leftmost: bool = False) -> None:
         """Put a message back in its queues as kombu does, with a token in each ring."""
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
         for queue in self._lookup(exchange, routing_key):
-            pipe.lpush(keys.ring(queue), "1").ltrim(keys.ring(queue), 0, RING_TOKENS - 1)
+            for command, *args in _ring_commands(queue):
+                getattr(pipe, command)(*args)
+
+
+def _ring_commands(queue: str) -> list[tuple[Any, ...]]:
+    """The commands that push one token to ``queue``'s ring, kept short and expiring."""
+    ring = keys.ring(queue)
+    return [("lpush", ring, "1"), ("ltrim", ring, 0, RING_TOKENS - 1),
+            ("expire", ring, RING_SECONDS)]
 
 
 class Transport(redis.Transport):

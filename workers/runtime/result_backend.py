@@ -18,7 +18,8 @@ the mark (the backend went away, its node was killed) runs again, but finds
 the chord complete and the claim taken, and returns: no part is left to
 send the callback once the lease lapses, and the job waits for ever. Here
 a part that finds a claim not its own waits until it is marked done or
-lapses, and then sends the callback itself.
+lapses; then, unless the callback is known to be sent (it has a state, or
+the broker holds its message), it sends the callback itself.
 
 :class:`RequeueOutages` is mixed into the app's backend class by the app
 factory, which names it by import string (:data:`chkq.config.celery_app.BACKEND_MIXIN`).
@@ -67,21 +68,34 @@ class RequeueOutages:
         group = getattr(request, "group", None)
         if not group or not hasattr(self, "get_key_for_group"):
             return answer
-        if self._claim_lapsed(group):
+        if self._claim_lapsed(group, request) and not self._sent(request):
             log.warning("chord %s: the claim on its callback lapsed unsent (its holder was "
                         "cut off); sending the callback", group)
             return super().on_chord_part_return(  # type: ignore[misc]
                 request, state, result, propagate=propagate, **kwargs)
         return answer
 
-    def _claim_lapsed(self, group: str) -> bool:
-        """Wait while another part holds the claim on ``group``'s callback: True if the
-        claim lapsed with the chord not marked done (the callback is not sent yet)."""
+    def _sent(self, request: Any) -> bool:
+        """True if the callback of ``request``'s chord is known to be sent: it has a state,
+        or the broker holds its message (RabbitMQ's queues cannot be read: not known)."""
+        from chkq.workers.liveness import broker_holds
+
+        callback = getattr(request, "chord", None) or {}
+        task_id = (callback.get("options") or {}).get("task_id")
+        if not isinstance(task_id, str):
+            return False
+        if self.get_state(task_id) != states.PENDING:  # type: ignore[attr-defined]
+            return True
+        return broker_holds(task_id) is True
+
+    def _claim_lapsed(self, group: str, request: Any) -> bool:
+        """Wait while another part holds the claim on ``group``'s callback and the callback
+        is not known to be sent: True if the claim lapsed with the chord not marked done."""
         client = self.client  # type: ignore[attr-defined]
         claim_key = self.get_key_for_group(group, ".c")  # type: ignore[attr-defined]
         size_key = self.get_key_for_group(group, ".s")  # type: ignore[attr-defined]
         claim = client.get(claim_key)
-        if claim is None or claim == _DONE:
+        if claim is None or claim == _DONE or self._sent(request):
             return False
         deadline = time.monotonic() + CLAIM_WAIT_SECONDS
         while time.monotonic() < deadline:
