@@ -27,18 +27,12 @@ from chkq.demo import make_run
 from chkq.tasks.state import job_status
 from chkq.workers.client import submit_consolidation
 from support.helpers import assert_consolidated, wait_for
-from support.plugins.faults import SLOW_RUN, Cluster, leftovers
+from support.plugins.faults import LONG_LIMITS, SLOW_RUN, Cluster, leftovers
 from support.redis_cut import RedisCut
 
 pytestmark = [pytest.mark.fault,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
-#: Limits far above the test's own waits: only chkq's own recovery brings a task back.
-LONG_LIMITS = {
-    "CHKQ_SOFT_TIME_LIMIT": "500",
-    "CHKQ_TIME_LIMIT": "600",
-    "CHKQ_VISIBILITY_TIMEOUT": "1200",
-}
 
 #: Seconds the proxy refuses connections after a cut.
 DOWN_FOR = 3.0
@@ -87,7 +81,7 @@ def test_a_message_taken_as_the_broker_is_cut_off_is_delivered(
     cut = RedisCut(cluster.redis.url)
     try:
         cut.cut_at_reply(MESSAGES[message], DOWN_FOR)
-        _run_through(cluster, cut, tmp_path, {"CHKQ_BROKER_URL": cut.url,
+        _run_through(cluster, cut, tmp_path, {"CHKQ_BROKER_URL": cut.redis_url,
                                               "CHKQ_RESULT_BACKEND": cluster.redis.url})
     finally:
         cut.close()
@@ -105,6 +99,6 @@ def test_a_chord_cut_off_with_its_callback_claimed_completes(
     try:
         cut.cut_at_request(hashlib.sha1(script.encode()).hexdigest().encode(), DOWN_FOR)
         _run_through(cluster, cut, tmp_path, {"CHKQ_BROKER_URL": cluster.redis.url,
-                                              "CHKQ_RESULT_BACKEND": cut.url})
+                                              "CHKQ_RESULT_BACKEND": cut.redis_url})
     finally:
         cut.close()

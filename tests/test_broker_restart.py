@@ -21,17 +21,11 @@ from chkq.demo import make_run
 from chkq.tasks.base import JobInterruptedError
 from chkq.workers.client import submit_consolidation
 from support.helpers import assert_consolidated, snapshot, wait_for
-from support.plugins.faults import SLOW_RUN, Cluster, checkpoints_only, leftovers
+from support.plugins.faults import LONG_LIMITS, SLOW_RUN, Cluster, checkpoints_only, leftovers
 
 pytestmark = [pytest.mark.fault,
               pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 
-#: Limits far above the test's own waits: only a restore on reconnect brings a task back.
-LONG_LIMITS = {
-    "CHKQ_SOFT_TIME_LIMIT": "500",
-    "CHKQ_TIME_LIMIT": "600",
-    "CHKQ_VISIBILITY_TIMEOUT": "1200",
-}
 
 #: Seconds the job may take after Redis is back (generous: 2 busy cores).
 AFTER_RESTART = 90

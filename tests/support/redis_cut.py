@@ -5,89 +5,51 @@ with the command done and no answer; one that dies just before leaves it
 undone. Killing the real server cannot choose the instant: this proxy can. It
 forwards bytes both ways until a chunk carrying a marker passes, in one
 direction or the other; then it drops that chunk, cuts every connection and
-refuses new ones for a while, as a server that went down would, and forwards
-again afterwards.
+refuses new ones for a while (:meth:`FaultProxy.go_down`), as a server that
+went down would, and forwards again afterwards.
 """
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import threading
-import time
 from urllib.parse import urlsplit, urlunsplit
 
-
-def _shut(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_RDWR)
-    sock.close()
+from support.plugins.object_stores import FaultProxy
 
 
-class RedisCut:
-    """A proxy to the Redis at ``url``; :attr:`url` is the same URL through the proxy."""
+class RedisCut(FaultProxy):
+    """A proxy to the Redis at ``url``; :attr:`redis_url` is the same URL through it."""
 
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 6379)
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(64)
-        port = self._listener.getsockname()[1]
-        netloc = parts.netloc.rsplit(":", 1)[0] + f":{port}" if parts.port else (
-            f"{parts.netloc}:{port}")
-        self.url = urlunsplit(parts._replace(netloc=netloc))
-        self._lock = threading.Lock()
+        super().__init__(f"http://{parts.hostname}:{parts.port}")
+        port = urlsplit(self.url).port
+        credentials = parts.netloc.rpartition("@")[0]
+        self.redis_url = urlunsplit(parts._replace(
+            netloc=f"{credentials}@127.0.0.1:{port}" if credentials else f"127.0.0.1:{port}"))
         self._markers: dict[str, tuple[bytes, float] | None] = {"request": None, "reply": None}
-        self._down_until = 0.0
-        self._sockets: set[socket.socket] = set()
-        self._closed = False
+        self._marker_lock = threading.Lock()
         self.cuts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
 
     def cut_at_request(self, marker: bytes, down_for: float) -> None:
         """Cut when a command carrying ``marker`` is sent (the server never gets it)."""
-        with self._lock:
+        with self._marker_lock:
             self._markers["request"] = (marker, down_for)
 
     def cut_at_reply(self, marker: bytes, down_for: float) -> None:
         """Cut when an answer carrying ``marker`` comes back (the server did the command,
         its client never hears of it)."""
-        with self._lock:
+        with self._marker_lock:
             self._markers["reply"] = (marker, down_for)
 
-    def close(self) -> None:
-        self._closed = True
-        _shut(self._listener)
-        with self._lock:
-            sockets = list(self._sockets)
-        for sock in sockets:
-            _shut(sock)
+    def _client_to_server(self, client: socket.socket, upstream: socket.socket,
+                          state: dict[str, bool]) -> None:
+        self._pump(client, upstream, "request")
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            with self._lock:
-                down = time.monotonic() < self._down_until
-            if down:
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\0\0\0\0\0\0\0")
-                client.close()
-                continue
-            try:
-                upstream = socket.create_connection(self._upstream)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets.update((client, upstream))
-            for source, sink, direction in ((client, upstream, "request"),
-                                            (upstream, client, "reply")):
-                threading.Thread(target=self._pump, args=(source, sink, direction),
-                                 daemon=True).start()
+    def _server_to_client(self, client: socket.socket, upstream: socket.socket,
+                          state: dict[str, bool]) -> None:
+        self._pump(upstream, client, "reply")
 
     def _pump(self, source: socket.socket, sink: socket.socket, direction: str) -> None:
         try:
@@ -95,25 +57,17 @@ class RedisCut:
                 chunk = source.recv(1 << 16)
                 if not chunk:
                     break
-                with self._lock:
+                with self._marker_lock:
                     armed = self._markers[direction]
                     hit = armed is not None and armed[0] in chunk
                     if hit:
-                        assert armed is not None
                         self._markers[direction] = None
-                        self._down_until = time.monotonic() + armed[1]
-                        sockets = list(self._sockets)
-                if hit:
+                if hit and armed is not None:
                     self.cuts += 1
-                    for sock in sockets:
-                        _shut(sock)
+                    self.go_down(armed[1])
                     return
                 sink.sendall(chunk)
         except OSError:
             return
         finally:
-            with self._lock:
-                self._sockets.discard(source)
-                self._sockets.discard(sink)
-            _shut(source)
-            _shut(sink)
+            self._forget(source, sink)

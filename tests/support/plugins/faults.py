@@ -36,6 +36,14 @@ FAULT_LIMITS = {
     "CHKQ_VISIBILITY_TIMEOUT": "12",
 }
 
+#: Limits far above a test's own waits: only chkq's own recovery brings a task back in
+#: time (the visibility timeout's sweep cannot).
+LONG_LIMITS = {
+    "CHKQ_SOFT_TIME_LIMIT": "500",
+    "CHKQ_TIME_LIMIT": "600",
+    "CHKQ_VISIBILITY_TIMEOUT": "1200",
+}
+
 
 # A run whose copy takes a second or more whatever the copy code's speed:
 # gzip data whose file boundaries fall inside chunks must be decoded and
