@@ -49,6 +49,7 @@ import logging
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from itertools import count
 from queue import Empty
 from typing import Any
@@ -231,12 +232,11 @@ class Orphans:
         """Hand back the message that pop ``call`` took, if it took one and no one holds it."""
         with channel.conn_or_acquire() as client:
             noted = client.get(consumer_key)
-        found, _, tag = bytes_to_str(noted or b"").partition(" ")
-        if found == call and tag and tag not in held and tag not in self.pending:
-            _restore(channel, tag, None, leftmost=False)
-            log.warning("message %s taken as the broker connection broke handed back to "
-                        "its queue", tag)
-        with channel.conn_or_acquire() as client:
+            found, _, tag = bytes_to_str(noted or b"").partition(" ")
+            if found == call and tag and tag not in held and tag not in self.pending:
+                _restore(channel, tag, None, leftmost=False)
+                log.warning("message %s taken as the broker connection broke handed back "
+                            "to its queue", tag)
             client.delete(consumer_key)
 
 
@@ -395,13 +395,11 @@ class Channel(redis.Channel):
         batch = kwargs.get("_publish_batch")
         super()._put(queue, message, **kwargs)
         if batch is not None:
-            for command, *args in _ring_commands(queue):
-                batch.add(command, *args)
+            _push_token(batch.add, queue)
             return
         with self.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
-            for command, *args in _ring_commands(queue):
-                getattr(pipe, command)(*args)
+            _push_token(lambda command, *args: getattr(pipe, command)(*args), queue)
             pipe.execute()
 
     def _do_restore_message(self, payload: Any, exchange: str, routing_key: str,
@@ -409,15 +407,16 @@ class Channel(redis.Channel):
         """Put a message back in its queues as kombu does, with a token in each ring."""
         super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
         for queue in self._lookup(exchange, routing_key):
-            for command, *args in _ring_commands(queue):
-                getattr(pipe, command)(*args)
+            _push_token(lambda command, *args: getattr(pipe, command)(*args), queue)
 
 
-def _ring_commands(queue: str) -> list[tuple[Any, ...]]:
-    """The commands that push one token to ``queue``'s ring, kept short and expiring."""
+def _push_token(send: Callable[..., Any], queue: str) -> None:
+    """Have ``send(command, *args)`` push one token to ``queue``'s ring, kept short and
+    expiring (a pipeline's command, or a publish batch's ``add``)."""
     ring = keys.ring(queue)
-    return [("lpush", ring, "1"), ("ltrim", ring, 0, RING_TOKENS - 1),
-            ("expire", ring, RING_SECONDS)]
+    send("lpush", ring, "1")
+    send("ltrim", ring, 0, RING_TOKENS - 1)
+    send("expire", ring, RING_SECONDS)
 
 
 class Transport(redis.Transport):
