@@ -183,8 +183,9 @@ def _follow(model: str, directory: Path, output: Path, done_file: str | Path | N
     published = -1
     last_new = time.monotonic()
     while True:
-        ended = done_file is not None and Path(done_file).exists()
-        progress = run_progress(directory, model)
+        ended = ((done_file is not None and Path(done_file).exists())
+                 or (idle is not None and time.monotonic() - last_new > idle))
+        progress = run_progress(directory, model, ended=ended)
         through = progress.through
         if progress.overtaken:
             raise _damaged(progress, published)
@@ -205,7 +206,7 @@ def _follow(model: str, directory: Path, output: Path, done_file: str | Path | N
                 on_version(version)
             last_new = time.monotonic()
             continue
-        if ended or (idle is not None and time.monotonic() - last_new > idle):
+        if ended:
             if progress.waiting:
                 raise _damaged(progress, published)
             break

@@ -29,6 +29,7 @@ from typing import Any
 import h5py
 
 from chkq.consolidation.completeness import seen_complete
+from chkq.consolidation.discovery import Checkpoint
 from chkq.consolidation.extend import (
     ExtendStats,
     check_file_rows,
@@ -75,8 +76,13 @@ class RunProgress:
     overtaken: bool = False
 
 
-def run_progress(out_dir: str | Path, model: str) -> RunProgress:
-    """:class:`RunProgress` of ``model``'s checkpoints in ``out_dir``, as they are now."""
+def run_progress(out_dir: str | Path, model: str, ended: bool = False) -> RunProgress:
+    """:class:`RunProgress` of ``model``'s checkpoints in ``out_dir``, as they are now.
+
+    A checkpoint that is a directory may still be missing files its writers have not
+    created yet: it counts as complete once it has as many files as the checkpoint
+    before it (the first: once a later checkpoint has begun), or the run has ``ended``.
+    """
     with RunDir.open(out_dir, exact=True) as rundir:
         try:
             checkpoints = find_run(Path(out_dir), model, rundir, allow_gaps=True)
@@ -89,8 +95,20 @@ def run_progress(out_dir: str | Path, model: str) -> RunProgress:
             overtaken = any(all(seen_complete(path) for path in later.files)
                             for later in checkpoints[index + 1:])
             return RunProgress(through, waiting, overtaken)
+        if not ended and not _has_every_file(checkpoints, index):
+            return RunProgress(through)
         through = checkpoint.number
     return RunProgress(through)
+
+
+def _has_every_file(checkpoints: list[Checkpoint], index: int) -> bool:
+    """Whether checkpoint ``index`` can gain no more files from its writers."""
+    checkpoint = checkpoints[index]
+    if not checkpoint.is_directory:
+        return True
+    if index > 0:
+        return len(checkpoint.files) >= len(checkpoints[index - 1].files)
+    return index + 1 < len(checkpoints)
 
 
 def completed_checkpoints(out_dir: str | Path, model: str) -> list[tuple[int, float]]:
