@@ -138,7 +138,10 @@ def broker_config(settings: Settings) -> dict[str, Any]:
     prefetch is per consumer: Celery's quorum detection turns global QoS
     off. Countdowns (a commit waiting for its parent) are held by the worker
     until due, as on Redis: chkq's queues use direct exchanges, which
-    Celery's native delayed delivery does not serve.
+    Celery's native delayed delivery does not serve. A worker's control
+    queue is not exclusive: after a network cut the worker reconnects
+    before RabbitMQ has closed its old connection, and the declaration of an
+    exclusive queue that connection still owns fails, which stops the worker.
     """
     if not settings.broker_is_amqp:
         return {
@@ -150,6 +153,7 @@ def broker_config(settings: Settings) -> dict[str, Any]:
         "broker_heartbeat": settings.broker_heartbeat or None,
         "task_default_queue_type": "quorum",
         "worker_detect_quorum_queues": True,
+        "control_queue_exclusive": False,
     }
 
 
