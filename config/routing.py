@@ -27,6 +27,8 @@ SHORT_NAMES: dict[str, str] = {name.removeprefix("chkq."): name for name in QUEU
 TASK_ROUTES: dict[str, dict[str, str]] = {
     "chkq.stage": {"queue": CONTROL_QUEUE},
     "chkq.fetch": {"queue": COPY_QUEUE},
+    "chkq.part": {"queue": COPY_QUEUE},
+    "chkq.assemble": {"queue": CONTROL_QUEUE},
     "chkq.plan": {"queue": CONTROL_QUEUE},
     "chkq.scan": {"queue": CONTROL_QUEUE},
     "chkq.merge": {"queue": CONTROL_QUEUE},

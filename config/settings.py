@@ -26,6 +26,7 @@ from chkq.log.signing import LogTrust, trust_from_files
 from chkq.stores.retry import StoreTimeouts
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 #: URL schemes of RabbitMQ brokers (kombu's py-amqp transport) and of Redis.
 AMQP_SCHEMES: tuple[str, ...] = ("amqp", "amqps", "pyamqp")
@@ -103,6 +104,10 @@ VARIABLES: tuple[Variable, ...] = (
              "verified", "`~/.cache/chkq/scratch-UID`"),
     Variable("CHKQ_UPLOAD_PART_BYTES", "upload_part_bytes", 16 * MiB, "integer",
              "bytes per part when a store job's output is published", "16 MiB"),
+    Variable("CHKQ_SPREAD_BYTES", "spread_bytes", GiB, "integer",
+             "a store run of at least this many bytes (or one too big for the staging worker's "
+             "scratch) is spread over every node, its output assembled in the store, where "
+             "the store and the run allow it; 0: whenever they do", "1 GiB"),
     *CORE_VARIABLES,
     Variable("CHKQ_FLOWER_BASIC_AUTH", "flower_basic_auth", None, "text",
              "`user:password[,user2:password2]` for `chkq flower`; required beyond loopback",
@@ -203,6 +208,12 @@ class Settings:
         (``CHKQ_UPLOAD_PART_BYTES``, default 16 MiB, so that a worker process holds
         a few parts at most; S3 raises it to 5 MiB,
         and every store to a 10,000th of the output).
+    spread_bytes
+        A store job of a run of at least this many bytes, or of one that does
+        not fit in the staging worker's scratch, is spread over every node
+        (``CHKQ_SPREAD_BYTES``, default 1 GiB): its output is assembled in the
+        store from parts, where the store can (a local directory, S3, GCS)
+        and the run's rows are all plain chunk bytes in one store.
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
         used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the
@@ -242,6 +253,7 @@ class Settings:
     security_cert_store: str | None = None
     scratch_dir: str | None = None
     upload_part_bytes: int = 16 * MiB
+    spread_bytes: int = GiB
     # Several nodes: the broker's kind and how a lost peer is noticed.
     broker_heartbeat: int = 20
     store_connect_timeout: float = 5.0
@@ -295,6 +307,8 @@ class Settings:
             raise ConfigurationError("CHKQ_MAX_DECODED_BYTES must be positive")
         if self.upload_part_bytes < 1:
             raise ConfigurationError("CHKQ_UPLOAD_PART_BYTES must be positive")
+        if self.spread_bytes < 0:
+            raise ConfigurationError("CHKQ_SPREAD_BYTES must be 0 or more")
         if self.task_bytes < 1 or self.task_files < 1:
             raise ConfigurationError("CHKQ_TASK_BYTES and CHKQ_TASK_FILES must be positive")
         if not 0 < self.soft_time_limit <= self.time_limit:

@@ -72,6 +72,7 @@ from chkq.tasks.from_store import (
     store_job,
 )
 from chkq.tasks.parties import authorize_link
+from chkq.tasks.store_parts import abort_assembly
 from chkq.tasks.state import records, worker_roots
 
 log = logging.getLogger("chkq.tasks")
@@ -468,11 +469,15 @@ def fail(request: Any, exc: BaseException, traceback: Any, out_dir: str, model: 
     if _trusted(records().cancelled, job) is not None:
         _discard_quietly(out_dir, model, job) if out_dir else None
         if in_store is not None:
+            if in_store.spread:
+                abort_assembly(job, in_store)
             discard_workspace(job)
         records().forget_progress(job)
         return
     removed = _discard_quietly(out_dir, model, job) if out_dir else []
     if in_store is not None:
+        if in_store.spread:
+            abort_assembly(job, in_store)
         discard_workspace(job)
     try:
         records().record_failed(job, task, cause)

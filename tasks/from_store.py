@@ -32,12 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import h5py
 from celery import chord, group, signature
 
 from chkq.access import resolve_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name
+from chkq.consolidation.output_parts import template_refusal
 from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
     BadMessageError,
@@ -45,6 +47,7 @@ from chkq.errors import (
     ChkqError,
     ForgedRecordError,
     JobStateGoneError,
+    OutputWriteError,
     UnprovenJobError,
 )
 from chkq.fsutil import private_directory
@@ -61,7 +64,8 @@ from chkq.staging import (
     fetch_objects,
     find_store_run,
 )
-from chkq.staging.listing import open_run_log
+from chkq.staging.listing import checkpoint_member, open_run_log
+from chkq.stores.fileobj import ObjectFile
 from chkq.stores.publish import Published, publish_file
 from chkq.stores.url import open_store, parse_store_url
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
@@ -101,6 +105,10 @@ class StoreJob:
     units
         The fetch units: ``[first, stop)`` ranges of :attr:`StoreRun.objects`,
         fixed when the job is staged (empty: cut from this worker's settings).
+    spread
+        The job is spread over every node: its worker fetches only the
+        sources' metadata and plans, and the output is assembled in the store
+        from parts that any node sends (:mod:`chkq.tasks.store_parts`).
     """
 
     run: StoreRun
@@ -109,6 +117,7 @@ class StoreJob:
     job: str
     cleanup: bool
     units: tuple[tuple[int, int], ...] = ()
+    spread: bool = False
 
     @property
     def fetch_units(self) -> tuple[tuple[int, int], ...]:
@@ -141,7 +150,8 @@ class StoreJob:
                 "run": run.run_id, "model": run.model,
                 "objects": [[o.name, o.key, o.size, o.version, o.mode] for o in run.objects],
                 "destination": list(self.destination), "queue": self.queue,
-                "cleanup": self.cleanup, "units": [list(u) for u in self.fetch_units]}
+                "cleanup": self.cleanup, "units": [list(u) for u in self.fetch_units],
+                "spread": self.spread}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], job: str) -> StoreJob:
@@ -159,8 +169,11 @@ class StoreJob:
             if units and ([a for a, _ in units] != bounds[:-1] or bounds[-1] != len(objects)
                           or any(a >= b for a, b in units)):
                 raise ValueError(f"fetch units {units} do not cover its {len(objects)} files")
+            spread = record.get("spread", False)
+            if not isinstance(spread, bool):
+                raise ValueError(f"spread is {spread!r}")
             return cls(run, (store, key), str(record["queue"]), job, bool(record["cleanup"]),
-                       units)
+                       units, spread)
         except (KeyError, TypeError, ValueError) as exc:
             raise ForgedRecordError(
                 f"job record {keys.job_record(job, 'store')} is not a store job "
@@ -251,6 +264,43 @@ def check_destination_free(run: StoreRun, destination: tuple[str, str]) -> None:
             f"output {_url(*destination)} exists; it is never overwritten")
 
 
+def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
+    """Whether a store job is spread over every node, its output assembled in the store.
+
+    Only a run of plain objects (a log's checkpoints are delta-compressed:
+    no byte of them is a row) published to the store it is in, whose store
+    takes parts from many nodes, whose template's extensible datasets are
+    all raw (read from its metadata), and which is at least
+    ``CHKQ_SPREAD_BYTES`` or does not fit in this worker's scratch. A store
+    that cannot copy ranges itself (GCS) is spread only when the run does
+    not fit: every byte then passes through the nodes, once each.
+    """
+    settings = get_settings()
+    if run.run_id is not None or destination[0] != run.store_url or not run.objects:
+        return False
+    try:
+        check_room(run, run.objects, settings.scratch_root)
+        fits = True
+    except OutputWriteError:
+        fits = False
+    store = open_store(run.store_url, timeouts=settings.core().timeouts)
+    if not store.supports_shared_uploads or (fits and (
+            run.size < settings.spread_bytes or not store.copies_ranges)):
+        return False
+    numbered = [(checkpoint_member(run.model, o.name) or (0, False))[0] for o in run.objects]
+    last = max(numbered)
+    template = next(o for o, n in zip(run.objects, numbered, strict=True) if n == last)
+    try:
+        with h5py.File(ObjectFile(store, template.key), "r") as f:
+            why = template_refusal(f)
+    except (OSError, ValueError, KeyError) as exc:
+        why = f"its template {run.url_of(template.name)} cannot be read in place ({exc})"
+    if why is not None:
+        log.info("store run %s is consolidated on one node: %s", run.source, why)
+        return False
+    return True
+
+
 def fetch_units(objects: tuple[SourceObject, ...], limit: int, files: int
                 ) -> list[tuple[int, int]]:
     """Consecutive batches of ``objects``, each at most ``limit`` bytes and ``files`` objects
@@ -308,9 +358,11 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         check_destination_free(found, destination)
         private_directory(get_settings().scratch_root)
         sweep_workspaces()
-        check_room(found, found.objects, get_settings().scratch_root)
+        spread = spread_over_nodes(found, destination)
+        if not spread:
+            check_room(found, found.objects, get_settings().scratch_root)
         recorded = StoreJob.from_record(records().record_store_job(job, StoreJob(
-            found, destination, own_queue(self), job, cleanup).to_record()), job)
+            found, destination, own_queue(self), job, cleanup, spread=spread).to_record()), job)
     if recorded.queue == own_queue(self):
         recorded.run_dir.mkdir(parents=True, exist_ok=True)
     launch_fetches(recorded, job, allow_gaps)

@@ -19,6 +19,7 @@ from chkq.consolidation.discovery import (
     check_numbering,
 )
 from chkq.consolidation.merge import merge_items
+from chkq.consolidation.output_parts import eligible
 from chkq.consolidation.plan import Plan, unit_bytes
 from chkq.consolidation.prepare import job_files, prepare
 from chkq.consolidation.run_scan import (
@@ -34,6 +35,7 @@ from chkq.consolidation.run_scan import (
     scans_to_record,
 )
 from chkq.errors import (
+    BadCheckpointError,
     BadMessageError,
     BadMessageTypeError,
     JobStateGoneError,
@@ -60,6 +62,7 @@ from chkq.tasks.from_store import (
     scratch_job,
 )
 from chkq.tasks.parties import authorize_plan
+from chkq.tasks.store_parts import launch_parts
 from chkq.tasks.state import records, worker_roots
 
 log = logging.getLogger("chkq.tasks")
@@ -86,9 +89,10 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
         raise BadMessageTypeError(f"allow_gaps must be true or false, got {allow_gaps!r}")
     authorize_plan(job, out_dir, model, cleanup, allow_gaps, party,
                    placed_queue(job, out_dir) is not None)
+    in_store = scratch_job(job, out_dir)
+    spread = in_store is not None and in_store.spread
     plan = records().recorded_plan(job)
     if plan is None:
-        in_store = scratch_job(job, out_dir)
         if in_store is not None:
             proven_fetches(in_store, job)
         settings = get_settings()
@@ -101,13 +105,23 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
             task_files=settings.task_files,
             run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps, through),
             allow_gaps=allow_gaps, max_decoded_bytes=settings.max_decoded_bytes,
-            through=through,
+            through=through, sparse=spread,
         )
         if in_store is not None:
             check_planned_sources(in_store, job, prepared)
+        why = eligible(prepared) if spread else None
+        if why is not None:
+            raise BadCheckpointError(
+                f"job {job} cannot be spread over the nodes, as its size asked: {why}; "
+                "nothing was published (a run this large is consolidated on one node only "
+                "if CHKQ_SPREAD_BYTES is above its size and it fits in that node's scratch)")
         plan = records().store_plan(prepared)
         _warn_long_tasks(plan, rates, settings.soft_time_limit)
-    launch_copies(plan)
+    if spread:
+        assert in_store is not None
+        launch_parts(plan, in_store)
+    else:
+        launch_copies(plan)
     return {
         "model": model,
         "out_dir": out_dir,

@@ -18,10 +18,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import h5py
 from h5py import h5d, h5f
 
 from chkq.consolidation.checkpoint_files import stored_chunks
 from chkq.consolidation.plan import DatasetPlan, Plan
+from chkq.consolidation.skeleton import dataset_mode
 from chkq.errors import BadMessageError
 
 #: The smallest part of a multipart upload but the last (S3's limit).
@@ -104,6 +106,25 @@ def eligible(plan: Plan) -> str | None:
         if d.padding:
             return f"dataset /{d.name} has rows padded with its fill value"
     return None
+
+
+def template_refusal(template: h5py.File) -> str | None:
+    """Why a run with this template cannot be assembled from parts, or None if it may.
+
+    Read from the template's metadata only (the first look, before anything
+    is fetched): every extensible dataset must be raw
+    (:func:`chkq.consolidation.skeleton.dataset_mode`); the plan decides the rest
+    (:func:`eligible`).
+    """
+    found: list[str] = []
+
+    def visit(name: str, obj: object) -> None:
+        if (not found and isinstance(obj, h5py.Dataset) and obj.maxshape
+                and obj.maxshape[0] is None and dataset_mode(obj.id) != "raw"):
+            found.append(f"dataset /{name} is filtered or of variable length")
+
+    template.visititems(visit)
+    return found[0] if found else None
 
 
 def _grid(d: DatasetPlan) -> tuple[int, int]:

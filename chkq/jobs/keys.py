@@ -24,6 +24,8 @@ key                                  what
 ``chkq:job:JOB:merge-items``         hash: merge item -> bytes it moved
 ``chkq:job:JOB:merged``              the output's stamp once merged and durable
 ``chkq:job:JOB:verified``            hash: verify unit -> output stamp it verified
+``chkq:job:JOB:assembly``            a spread store job's upload, output size and parts
+``chkq:job:JOB:parts``               hash: part unit -> what the store said of it
 ``chkq:jobs``                        list: the most recently submitted job ids
 ``chkq:rate:KIND``                   hash: node -> its bytes per second at KIND
 ``chkq:deliveries:TASK:N[:rR]``      how often one task message was delivered
@@ -48,7 +50,7 @@ SEP = ":"
 
 #: Records of one job that describe its progress (dropped when it ends).
 PROGRESS_RECORDS = ("fetched", "run", "scanned", "plan", "copied", "merge-items", "merged",
-                    "verified")
+                    "verified", "assembly", "parts")
 #: Records of one job that outlive it (as long as results are kept).
 LIFE_RECORDS = ("info", "done", "cancelled", "failed", "store", "party", "follow")
 RECORDS = LIFE_RECORDS + PROGRESS_RECORDS

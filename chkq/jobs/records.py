@@ -137,6 +137,29 @@ class JobRecords(SealedStore):
         """What each fetch unit that finished fetched, by unit."""
         return self.hgetall_units(keys.job_record(job, "fetched"))
 
+    def record_assembly(self, job: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Record how a spread store job's output is assembled, unless recorded; return the recorded.
+
+        ``record``: the shared upload the parts go to, the output's size and
+        its parts (``chkq.consolidation.output_parts``).
+        """
+        self._set_once(job, "assembly", record)
+        recorded = self.assembly(job)
+        assert recorded is not None
+        return recorded
+
+    def assembly(self, job: str) -> dict[str, Any] | None:
+        """The assembly record of ``job`` (:meth:`record_assembly`), or None."""
+        return self._dict(job, "assembly", "an output's assembly")
+
+    def record_part(self, job: str, unit: int, part: Any) -> None:
+        """Record what the store said of part ``unit`` of a spread job's output, once sent."""
+        self.hset(keys.job_record(job, "parts"), {str(unit): part})
+
+    def parts(self, job: str) -> dict[int, Any]:
+        """What each part sent so far is, by unit."""
+        return self.hgetall_units(keys.job_record(job, "parts"))
+
     def record_scanned(self, job: str, unit: int, record: dict[str, Any]) -> None:
         """Record what scan unit ``unit`` found (``run_scan.scans_to_record``)."""
         self.hset(keys.job_record(job, "scanned"), {str(unit): record})

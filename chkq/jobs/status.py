@@ -113,6 +113,9 @@ class JobStatus:
     """For a job from an object store, the queue of the worker holding it (all its steps)."""
     follow: dict[str, Any] | None = None
     """For a version of a follow, its follow record (see :meth:`JobRecords.record_follow`)."""
+    spread: bool = False
+    """For a job from an object store, whether it is spread over every node (its output
+    assembled in the store from parts) rather than done on the worker of :attr:`queue`."""
 
     @property
     def rows(self) -> tuple[int, int, int]:
@@ -279,12 +282,19 @@ def job_status(records: JobRecords, fetch_metas: MetaReader, job: str) -> JobSta
         metas = fetch_metas(ids) if ids else {}
         steps[step] = [_unit(t, metas[t]) for t in ids]
     steps["merge"] = [_unit(task_id(job, "merge"), merge_meta)]
+    assembly = records.assembly(job) if stored and stored.get("spread") is True else None
+    parts = assembly.get("parts") if assembly else None
+    if isinstance(parts, list):
+        ids = [task_id(job, "part", n) for n in range(len(parts))]
+        metas = fetch_metas(ids) if ids else {}
+        steps["part"] = [_unit(t, metas[t]) for t in ids]
 
     status = JobStatus(job=job, state=JobState.PENDING, phase=Phase.QUEUED, model=info.get("model"),
                        out_dir=info.get("out_dir"), submitted=info.get("submitted"),
                        plan=plan, steps=steps,
                        queue=str(stored.get("queue")) if stored else None)
     status.follow = records.follow_record(job)
+    status.spread = bool(stored and stored.get("spread") is True)
     done = records.finished_result(job)
     link = _unit(job, link_meta)
     causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
@@ -326,6 +336,8 @@ def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> Phase:
     """The step a running job is at."""
     if link.state in ("STARTED", "PROGRESS"):
         return Phase.LINKING
+    if any(u.state != "PENDING" for u in steps.get("part", [])):
+        return Phase.COPYING
     for step in ("verify", "merge", "copy"):
         if any(u.state not in ("PENDING",) for u in steps[step]):
             if step == "copy" and all(u.state == "SUCCESS" for u in steps[step]):

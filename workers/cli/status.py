@@ -34,7 +34,7 @@ from chkq.errors import ConfigurationError
 if TYPE_CHECKING:  # the module is imported for --help, which must not load Celery
     from chkq.jobs.status import FollowStatus, JobStatus, UnitState
 
-STEPS = ("plan", "copy", "merge", "verify", "link")
+STEPS = ("plan", "copy", "part", "merge", "verify", "link")
 
 #: Units listed one per line at most, per step, in the detailed view.
 MAX_LISTED = 10
@@ -88,6 +88,12 @@ def format_job(status: JobStatus) -> str:
                      f"submitted {when(status.submitted)}")
     if status.output:
         lines.append(f"  output {status.output}")
+    if status.spread:
+        lines.append("  spread over every node: the output is assembled in the store from "
+                     f"{len(status.steps.get('part', []))} parts")
+    elif status.queue:
+        lines.append(f"  on one node: {status.queue.removeprefix('chkq.node.')} fetches, "
+                     "consolidates and publishes it")
     if status.follow:
         lines.append(f"  version {status.follow.get('version')} of follow "
                      f"{str(status.follow.get('follow'))[:8]}: checkpoints up to "
@@ -112,7 +118,9 @@ def format_job(status: JobStatus) -> str:
                      " (over every dataset)")
     for step in STEPS:
         units = status.steps.get(step, [])
-        if step in ("copy", "verify"):
+        if (step == "part") != status.spread and step in ("copy", "part", "merge", "verify"):
+            continue
+        if step in ("copy", "verify", "part"):
             lines.append(f"  {step:<8} {_summary(units)}")
             shown = [u for u in units if u.state not in ("SUCCESS", "PENDING")]
             for unit in shown[:MAX_LISTED]:

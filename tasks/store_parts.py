@@ -1,0 +1,329 @@
+"""A store job spread over every node: its output assembled in the store from parts.
+
+::
+
+    chkq.stage ──► chord(chkq.fetch × batches: metadata only) ──► chkq.plan
+               ──► chord(chkq.part × parts, on any node) ──► chkq.assemble (publishes)
+
+For a run whose rows are all plain chunk bytes (:func:`chkq.consolidation.output_parts.eligible`),
+the staging worker fetches only the sources' metadata (the chunks are holes,
+:mod:`chkq.staging.mirror`), plans as for any job and writes the skeleton,
+sparse, in its scratch directory. The output is then its skeleton's bytes
+with each source's rows at the addresses the skeleton allocated: a sequence
+of source ranges and skeleton ranges, cut into the parts of one upload
+shared by every node (:mod:`chkq.stores.shared_upload`). A part that is one
+long source range is copied by the store itself (S3 ``UploadPartCopy``, a
+local store's ``copy_file_range``); any other part is built from pinned
+ranged reads by whichever node takes it, or by the staging worker where it
+holds skeleton bytes. ``chkq.assemble`` completes the upload create-if-absent
+once every part is recorded, then proves the object from its metadata alone:
+its chunk index places every chunk where the plan put it, its structure is
+the template's, and the store's checksums are the parts'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import h5py
+from celery import chord, group
+
+from chkq.config.celery_app import get_app, get_settings
+from chkq.consolidation.checkpoint_files import stored_chunks
+from chkq.consolidation.copy_rows import open_source
+from chkq.consolidation.output_check import check_plan_output
+from chkq.consolidation.output_parts import (
+    SKELETON,
+    OutputPart,
+    build_part,
+    chunk_maps,
+    cut_parts,
+    output_pieces,
+    parts_from_record,
+)
+from chkq.consolidation.plan import Plan
+from chkq.consolidation.stamps import check_descriptor
+from chkq.consolidation.temporaries import check_job_id
+from chkq.errors import (
+    BadMessageError,
+    CheckpointChangedError,
+    ForgedRecordError,
+    JobStateGoneError,
+    OutputMismatchError,
+    UnprovenJobError,
+)
+from chkq.jobs import keys
+from chkq.jobs.records import task_id
+from chkq.rundir import READ
+from chkq.staging import SourceObject, delete_sources
+from chkq.stores.base import CheckpointStore, ObjectVersion
+from chkq.stores.fileobj import ObjectFile
+from chkq.stores.shared_upload import PartRecord, SharedUpload
+from chkq.stores.url import open_store
+from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
+from chkq.tasks.canvas import fail_signature
+from chkq.tasks.from_store import (
+    StoreDestinationExistsError,
+    StoreJob,
+    discard_workspace,
+    job_ended,
+    own_queue,
+    store_job,
+)
+from chkq.tasks.state import records
+
+log = logging.getLogger("chkq.tasks")
+
+
+def _destination(found: StoreJob) -> CheckpointStore:
+    return open_store(found.destination[0], timeouts=get_settings().core().timeouts)
+
+
+def _assembly(job: str) -> tuple[SharedUpload, int, list[OutputPart]]:
+    """The job's upload, output size and parts, as recorded (checked: untrusted)."""
+    record = records().assembly(job)
+    if record is None:
+        raise JobStateGoneError(f"job {job} has no assembly record: nothing to send")
+    try:
+        upload = SharedUpload.from_record(record["upload"])
+        size = record["size"]
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ValueError(f"size {size!r}")
+        parts = parts_from_record(record["parts"], size)
+    except (KeyError, TypeError, ValueError, BadMessageError) as exc:
+        raise ForgedRecordError(f"job record {keys.job_record(job, 'assembly')} is not an "
+                                f"output's assembly ({exc}): refused") from None
+    return upload, size, parts
+
+
+def _source(found: StoreJob, plan: Plan, file_index: int) -> SourceObject:
+    """The pinned object file ``file_index`` of the plan is the metadata of."""
+    name = found.name_of(plan.files[file_index][0])
+    for obj in found.run.objects:
+        if obj.name == name:
+            return obj
+    raise UnprovenJobError(f"job {found.job} planned {name!r}, which is not one of its objects")
+
+
+def launch_parts(plan: Plan, found: StoreJob) -> None:
+    """Lay out the output, open its upload (once), and send its parts, assembly as callback.
+
+    Runs on the staging worker, where the sources' metadata and the skeleton
+    are. Delivered again, it sends the same parts (same ids) to the upload
+    recorded first; an upload it opened and lost the record to is aborted.
+    """
+    job = plan.job_id
+    if records().assembly(job) is None:
+        with plan.open_run() as run:
+            fd = run.open_file(plan.job.temp, READ)
+            try:
+                check_descriptor(plan.job.temp, fd, plan.temp_inode)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+
+            def opened(index: int) -> Any:
+                fid, source_fd = open_source(run, plan, index)
+                os.close(source_fd)
+                return fid
+
+            maps = chunk_maps(plan, opened)
+        parts = cut_parts(output_pieces(plan, size, maps), get_settings().upload_part_bytes)
+        store = _destination(found)
+        upload = store.begin_shared_upload(found.destination[1])
+        recorded = records().record_assembly(job, {
+            "upload": upload.to_record(), "size": size,
+            "parts": [p.to_record() for p in parts]})
+        if recorded["upload"] != upload.to_record():
+            store.abort_shared_upload(upload)
+    _, size, parts = _assembly(job)
+    built = sum(p.length for p in parts if not p.copied)
+    log.info("job=%s spread over the nodes: %d parts of %d bytes, %d copied by the store, "
+             "%d bytes built", job, len(parts), size, sum(p.copied for p in parts), built)
+    out_dir, model = plan.out_dir, plan.model
+    assemble_sig = assemble.si(out_dir, model, job).set(
+        task_id=job, queue=found.queue,
+        link_error=[fail_signature(out_dir, model, job, found.queue)])
+    sends = []
+    for index, part in enumerate(parts):
+        sig = send_part.si(job, index, bytes=part.length, copied=part.copied).set(
+            task_id=task_id(job, "part", index))
+        sends.append(sig.set(queue=found.queue) if part.needs_skeleton else sig)
+    chord(group(sends).set(task_id=task_id(job, "parts")), assemble_sig).apply_async()
+
+
+def _part_message(self: ChkqTask, job: str, unit: int, **what: Any) -> Checked:
+    job = check_job_id(job)
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit < 0:
+        raise BadMessageError(f"job {job} has no part {unit!r}")
+    return Checked(job, (job, unit), {}, {"unit": unit})
+
+
+@get_app().task(name="chkq.part", bind=True, base=ChkqTask)
+@task_lifecycle(_part_message)
+def send_part(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
+    """Send one part of a spread job's output: copied by the store, or built here and sent.
+
+    Sent again (a redelivery), it sends the same bytes as the same part.
+    """
+    found = store_job(job)
+    if found is None or not found.spread:
+        raise JobStateGoneError(f"job {job} is not a spread store job: no part to send")
+    if job_ended(job):
+        return {"ended": True}
+    upload, _, parts = _assembly(job)
+    if unit >= len(parts):
+        raise BadMessageError(f"job {job} has no part {unit!r}")
+    part = parts[unit]
+    plan = records().load_plan(job, found.resolved_run_dir, found.run.model)
+    store = _destination(found)
+    if part.copied:
+        piece = part.pieces[0]
+        obj = _source(found, plan, piece.source)
+        sent = store.copy_part(upload, part.number, obj.key, ObjectVersion(obj.size, obj.version),
+                               piece.start, piece.length, part.offset)
+    else:
+        if part.needs_skeleton and found.queue != own_queue(self):
+            raise BadMessageError(f"part {unit} of job {job} holds skeleton bytes, which only "
+                                  f"{found.queue} has: refused on {own_queue(self)}")
+        sent = store.put_part(upload, part.number, _built(found, plan, part), part.offset)
+    records().record_part(job, unit, sent.to_record())
+    return {"part": part.number, "bytes": part.length, "copied": part.copied}
+
+
+def _built(found: StoreJob, plan: Plan, part: OutputPart) -> bytes:
+    """A part's bytes, its source ranges read pinned, its skeleton bytes from this scratch."""
+    store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
+    skeleton: list[int] = []
+
+    def read(source: int, start: int, length: int) -> bytes:
+        if source == SKELETON:
+            if not skeleton:
+                with plan.open_run() as run:
+                    fd = run.open_file(plan.job.temp, READ)
+                check_descriptor(plan.job.temp, fd, plan.temp_inode)
+                skeleton.append(fd)
+            return os.pread(skeleton[0], length, start)
+        obj = _source(found, plan, source)
+        data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start,
+                                      length)
+        if data is None:
+            raise CheckpointChangedError(
+                f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
+                "planned (replaced, rewritten or deleted in the store): nothing was published")
+        return data
+
+    try:
+        return build_part(part, read)
+    finally:
+        for fd in skeleton:
+            os.close(fd)
+
+
+def _assemble_message(self: ChkqTask, out_dir: str, model: str, job: str) -> Checked:
+    return Checked(check_job_id(job), (out_dir, model, job), {}, {"model": model})
+
+
+@get_app().task(name="chkq.assemble", bind=True, base=ChkqTask)
+@task_lifecycle(_assemble_message)
+def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, Any]:
+    """Complete the output's upload once every part is recorded, prove it, and finish the job."""
+    done = records().finished_result(job)
+    if done is not None:
+        return done
+    found = store_job(job)
+    if found is None or not found.spread or found.queue != own_queue(self):
+        raise JobStateGoneError(f"job {job} is not a spread store job of this worker")
+    plan = records().load_plan(job, found.resolved_run_dir, found.run.model)
+    upload, size, parts = _assembly(job)
+    sent = records().parts(job)
+    missing = [u for u in range(len(parts)) if u not in sent]
+    if missing:
+        raise UnprovenJobError(
+            f"job {job} cannot be assembled: parts {missing[:5]}"
+            f"{' and more' if len(missing) > 5 else ''} of {len(parts)} recorded nothing "
+            "(the parts chord's callback ran before they finished); nothing was published")
+    try:
+        records_of = [PartRecord.from_record(sent[u]) for u in range(len(parts))]
+    except (TypeError, ValueError) as exc:
+        raise ForgedRecordError(f"job record {keys.job_record(job, 'parts')} is not a list "
+                                f"of sent parts ({exc}): refused") from None
+    for part, record in zip(parts, records_of, strict=True):
+        if (record.number, record.size) != (part.number, part.length):
+            raise UnprovenJobError(f"job {job}'s part {part.number} was recorded as part "
+                                   f"{record.number} of {record.size} bytes, not "
+                                   f"{part.length}: nothing was published")
+    store = _destination(found)
+    key = found.destination[1]
+    check_plan_output(plan)
+    if not store.complete_shared_upload(upload, records_of):
+        raise StoreDestinationExistsError(
+            f"output {found.output_url} was created by someone else while job {job} "
+            "assembled it; it is never overwritten, and nothing of this job's was left")
+    proof = prove_assembled(store, key, plan, size)
+    warnings = []
+    if found.cleanup:
+        planned = {found.name_of(f[0]) for f in plan.files}
+        warnings = delete_sources(dataclasses.replace(found.run, objects=tuple(
+            o for o in found.run.objects if o.name in planned)), core=get_settings().core())
+    result = {"output": found.output_url, "bytes": size, "rows": plan.total_rows,
+              "files": len(plan.files), "datasets": {f"/{d.name}": d.total for d in plan.datasets},
+              "store": True, "spread": True, "parts": len(parts),
+              "copied_bytes": sum(p.length for p in parts if p.copied),
+              "proof": proof, "warnings": warnings}
+    records().record_finished(job, result)
+    records().forget_progress(job)
+    discard_workspace(job)
+    log.info("job=%s assembled %s (%d bytes in %d parts; %s)", job, found.output_url, size,
+             len(parts), proof)
+    return result
+
+
+def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int) -> str:
+    """Prove the assembled object from its metadata: its size, and every chunk where planned.
+
+    The object is opened in place (ranged reads of its metadata only); each
+    raw dataset's chunk index must give the planned address of every chunk,
+    of the planned size and unfiltered. With the pieces derived from the
+    sources' own chunk indexes and each copy pinned to its source's
+    version, every row then lies where the output's own index says.
+
+    Raises
+    ------
+    OutputMismatchError
+        Naming the first chunk that differs.
+    """
+    if store.size(key) != size:
+        raise OutputMismatchError(f"the assembled {key} holds {store.size(key)} bytes, "
+                                  f"{size} were planned")
+    checked = 0
+    with h5py.File(ObjectFile(store, key), "r") as out:
+        for d in plan.datasets:
+            dsid = out[d.name].id
+            found = [info for _, info in stored_chunks(dsid, tuple(d.chunk), dsid.shape)]
+            if [None if i is None else int(i.byte_offset) for i in found] != d.chunk_offsets:
+                raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} does not "
+                                          "place its chunks where they were planned")
+            if any(i is not None and i.filter_mask for i in found) or dsid.shape[0] != d.total:
+                raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} is not "
+                                          f"{d.total} plain rows")
+            checked += len(found)
+    return f"{checked} chunks placed as planned, read from the object's metadata"
+
+
+def abort_assembly(job: str, found: StoreJob) -> None:
+    """Abort a failed or cancelled spread job's upload, if it opened one; never raise.
+
+    Its parts are then gone from the store, and a part sent after this fails
+    against the aborted upload.
+    """
+    try:
+        if records().assembly(job) is None:
+            return
+        upload, _, _ = _assembly(job)
+        _destination(found).abort_shared_upload(upload)
+    except Exception:  # noqa: BLE001 - the failure is recorded whatever the abort meets
+        log.exception("job=%s failed; aborting its upload failed too (chkq gc removes it)", job)

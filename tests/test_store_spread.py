@@ -1,0 +1,146 @@
+"""One store job spread over two nodes whose scratch is far smaller than the run.
+
+Two workers, each with its own 40 MiB tmpfs as scratch, consolidate runs
+several times that size kept in a local directory, in moto's S3 server and
+in fake-gcs-server: the staging worker fetches only the sources' metadata,
+both send parts of the output, and the output is assembled in the store.
+Each output is compared object for object with the same run consolidated
+from a directory, and nothing is left behind: no workspace, no unfinished
+upload, no staged object.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chkq.demo import RunShape, make_run
+from chkq.stores import open_store
+from chkq.workers.client import submit_store_consolidation
+from support.helpers import assert_same_hdf5
+from support.plugins.cluster import WorkerProcess
+from support.plugins.faults import Cluster
+from test_from_store import LIMITS, TIMEOUT, fetched, reference_output, store_url, upload_run
+from test_output_parts import _uneven_run
+
+pytestmark = pytest.mark.integration
+
+SCRATCH_MIB = 40
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    """Each node's small scratch (a tmpfs), the reference runs' directory, the file store's."""
+    root = tmp_path_factory.mktemp("spread")
+    found = {name: root / name for name in ("node0", "node1", "reference", "stores")}
+    for path in found.values():
+        path.mkdir(mode=0o700)
+    for node in ("node0", "node1"):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SCRATCH_MIB}m,mode=0700",
+                        "tmpfs", str(found[node])], check=True)
+    try:
+        yield found
+    finally:
+        for node in ("node0", "node1"):
+            subprocess.run(["umount", "-l", str(found[node])], check=False)
+
+
+@pytest.fixture(scope="module")
+def nodes(redis_server: object, s3_endpoint: str, gcs_endpoint: str,
+          places: dict[str, Path]) -> Iterator[tuple[Cluster, list[WorkerProcess]]]:
+    """Two workers, each with its own small scratch, neither able to hold a whole run."""
+    cluster = Cluster(places["reference"]).start()
+    try:
+        workers = [cluster.add_workers(1, "control,copy,verify,commit", concurrency=2, env={
+            **LIMITS, "CHKQ_SCRATCH_DIR": str(places[node] / "work"),
+            "CHKQ_SPREAD_BYTES": "0", "CHKQ_UPLOAD_PART_BYTES": str(5 << 20),
+            "CHKQ_ALLOWED_ROOTS": f"{places[node]}:{places['reference']}:{places['stores']}",
+        })[0] for node in ("node0", "node1")]
+        yield cluster, workers
+    finally:
+        cluster.release()
+        cluster.close()
+
+
+def _parts_sent_by(cluster: Cluster, workers: list[WorkerProcess], job: str) -> list[int]:
+    """How many of the job's parts each worker's log says it sent."""
+    counts = []
+    for worker in workers:
+        text = "".join(p.read_text(errors="replace") for p in cluster.log_dir.glob("*.log")
+                       if worker.name.split("@")[-1] in p.name)
+        counts.append(len(re.findall(rf"done task=chkq\.part job={job}", text)))
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["file", "s3", "gcs"])
+def test_a_run_larger_than_any_node_is_assembled_in_the_store(
+        kind: str, nodes: tuple[Cluster, list[WorkerProcess]], places: dict[str, Path],
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", RunShape(checkpoints=3, writers=3, trials=2_500,
+                                              spec_columns=1_000, chunk_rows=97))
+    run_bytes = sum(f.stat().st_size for f in files)
+    assert run_bytes > 2.5 * SCRATCH_MIB * 2**20
+    url = store_url(kind, places)
+    store = open_store(url)
+    keys = upload_run(files, run_dir, store)
+
+    job = submit_store_consolidation("sim", url)
+    summary = job.wait_for_summary(timeout=TIMEOUT)
+
+    assert summary.output == url + "sim.h5"
+    assert store.list() == sorted([*keys, "sim.h5"])
+    output = fetched(store, "sim.h5", tmp_path)
+    assert_same_hdf5(output, reference_output(files, run_dir, places, "sim"))
+    assert store.stray_uploads() == []
+    for node in ("node0", "node1"):
+        assert list((places[node] / "work").iterdir()) == [], f"workspace left on {node}"
+
+
+def test_h5py_automatic_chunks_and_uneven_checkpoints_are_built_by_both_nodes(
+        nodes: tuple[Cluster, list[WorkerProcess]], places: dict[str, Path],
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    files = _uneven_run(run_dir)
+    url = store_url("s3", places)
+    store = open_store(url)
+    upload_run(files, run_dir, store)
+
+    job = submit_store_consolidation("run", url)
+    job.wait_for_summary(timeout=TIMEOUT)
+
+    output = fetched(store, "run.h5", tmp_path)
+    assert_same_hdf5(output, reference_output(files, run_dir, places, "run"))
+    cluster, workers = nodes
+    assert all(_parts_sent_by(cluster, workers, job.id)), "a node sent no part"
+    assert store.stray_uploads() == []
+
+
+def test_the_destination_taken_midway_fails_clearly_and_leaves_no_upload(
+        nodes: tuple[Cluster, list[WorkerProcess]], places: dict[str, Path],
+        tmp_path: Path) -> None:
+    """The destination taken while the parts are sent: a clear failure, nothing left."""
+    del nodes
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", RunShape(checkpoints=2, trials=2_000, spec_columns=1_000))
+    url = store_url("s3", places)
+    store = open_store(url)
+    upload_run(files, run_dir, store)
+    job = submit_store_consolidation("sim", url)
+    for _ in range(400):
+        if store.stray_uploads():
+            break
+        time.sleep(0.05)
+    store.put_if_absent("sim.h5", b"someone else's " + uuid.uuid4().bytes)
+    with pytest.raises(Exception) as failed:
+        job.wait_for_output(timeout=TIMEOUT)
+    assert "never overwritten" in str(failed.value), failed.value
+    assert store.get("sim.h5").startswith(b"someone else's ")
+    assert store.stray_uploads() == []
