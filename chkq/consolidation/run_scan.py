@@ -185,7 +185,7 @@ def scan_files(paths: list[Path], out_dir: str | Path,
             if known is not None:
                 scanned.append(known)
                 continue
-            scan = scan_file(path, digest=digest, fd=fd)
+            scan = scan_file(path, fd=fd) if digest else scan_file(path, digest=False, fd=fd)
             st = os.fstat(fd)
             check_same(path, stamp, st, "changed while it was being planned")
         finally:
