@@ -26,7 +26,7 @@ from chkq.consolidation.temporaries import JobFiles
 from chkq.demo import RunShape
 from chkq.demo import make_run as make_demo_run
 from chkq.errors import BadCheckpointError, CheckpointChangedError, CheckpointCorruptionError
-from chkq.staging.mirror import MirrorStats, mirror_object, raw_chunk_ranges
+from chkq.staging.mirror import MirrorStats, mirror_object, raw_chunk_ranges, raw_chunk_rows
 from chkq.stores.base import CheckpointStore
 from chkq.stores.local import LocalDirectoryStore
 from support import corpus
@@ -167,7 +167,26 @@ def modification_times(path: Path, plan: Plan) -> list[tuple[int, int]]:
     return found
 
 
-def plan_both(full: Path, mirror: Path) -> tuple[Plan, Plan]:
+def holed_but_read_through_hdf5(plan: Plan, chunk_rows: dict[str, int] | None = None
+                                ) -> list[tuple[str, str]]:
+    """(file, dataset) whose chunks a mirror leaves out but the plan copies through HDF5
+    (no ``source_chunks``): a copy from the mirror would read zeros there."""
+    found = []
+    for index, entry in enumerate(plan.files):
+        holes = raw_chunk_ranges(entry[0], chunk_rows)
+        with h5py.File(entry[0], "r") as f:
+            for d in plan.datasets:
+                dsid = f[d.name].id
+                if d.source_chunks[index] or not dsid.get_num_chunks():
+                    continue
+                first = dsid.get_chunk_info(0).byte_offset
+                if any(a <= first < b for a, b in holes):
+                    found.append((entry[0], d.name))
+    return found
+
+
+def plan_both(full: Path, mirror: Path, through_hdf5: frozenset[tuple[str, str]] = frozenset(),
+              chunk_rows: dict[str, int] | None = None) -> tuple[Plan, Plan]:
     """Plan both directories as a mirror's planner does; check the plans and skeletons agree."""
     plan_full = prepare(full, MODEL, JOB, digest=False, reserve=False)
     plan_mirror = prepare(mirror, MODEL, JOB, digest=False, reserve=False)
@@ -180,14 +199,18 @@ def plan_both(full: Path, mirror: Path) -> tuple[Plan, Plan]:
     assert times == modification_times(path_mirror, plan_mirror)
     ranges = raw_ranges(plan_full) + times
     assert masked(skeleton_mirror, ranges) == masked(skeleton_full, ranges)
+    prefix = str(full.resolve()) + "/"
+    assert {(path.removeprefix(prefix), name)
+            for path, name in holed_but_read_through_hdf5(plan_full, chunk_rows)} == through_hdf5
     return plan_full, plan_mirror
 
 
-def check_mirrors(run: Path, mirror: Path, stats: dict[str, MirrorStats]) -> None:
+def check_mirrors(run: Path, mirror: Path, stats: dict[str, MirrorStats],
+                  chunk_rows: dict[str, int] | None = None) -> None:
     """Each mirror: the object's bytes outside its raw chunks, zeros (holes) inside them."""
     for key, stat in stats.items():
         original, copy = (run / key).read_bytes(), (mirror / key).read_bytes()
-        holes = raw_chunk_ranges(run / key)
+        holes = raw_chunk_ranges(run / key, chunk_rows)
         assert stat == MirrorStats(len(original), len(original) - stat.skipped,
                                    sum(b - a for a, b in holes))
         assert masked(original, holes) == copy
@@ -210,6 +233,57 @@ def test_auto_chunked_run_plans_alike(store: CheckpointStore, tmp_path: Path) ->
                      "g/flags": ("raw", True), "g/spec": ("raw", False)}
 
 
+def poison(run: Path, keys: list[str], holes: dict[str, list[tuple[int, int]]]) -> None:
+    """Fill the holes of each mirror with 0xA5: a planner that read them would plan otherwise."""
+    for key in keys:
+        with open(run / key, "r+b") as f:
+            for start, stop in holes[key]:
+                f.seek(start)
+                f.write(b"\xa5" * (stop - start))
+
+
+def test_planning_reads_no_byte_of_the_holes(tmp_path: Path) -> None:
+    """Not only zeros: whatever the raw chunks hold, the plan and skeleton are the same."""
+    store = local_store(tmp_path)
+    full, mirror = tmp_path / "full", tmp_path / "mirror"
+    auto_chunked_run(full, [1300, 2051, 777])
+    keys = upload(store, full)
+    mirror_run(store, keys, mirror)
+    poison(mirror, keys, {key: raw_chunk_ranges(full / key) for key in keys})
+    plan_both(full, mirror)
+
+
+def _linked_twice(f: h5py.File, rows: int, number: int) -> None:
+    """Extensible datasets with a second hard link: resized in place, not recreated (one
+    allocated late, so allocated by writing zeros, one early, its chunks kept)."""
+    _auto_chunked(f, rows, number, cut_rows=False)
+    f["alias"] = f["g/pos"]
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_chunk((300,))
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    space = h5py.h5s.create_simple((rows,), (h5py.h5s.UNLIMITED,))
+    early = h5py.Dataset(h5py.h5d.create(f["g"].id, b"early", h5py.h5t.STD_I16LE, space,
+                                         dcpl=dcpl))
+    early[...] = np.arange(rows, dtype="<i2")
+    f["alias_early"] = early
+
+
+def test_datasets_resized_in_place_plan_alike(tmp_path: Path) -> None:
+    store = local_store(tmp_path)
+    full, mirror = tmp_path / "full", tmp_path / "mirror"
+    full.mkdir()
+    for number, rows in enumerate([900, 1201, 350], 1):
+        with h5py.File(full / f"{MODEL}_chk{number:05d}.h5", "w") as f:
+            _linked_twice(f, rows, number)
+    keys = upload(store, full)
+    stats = mirror_run(store, keys, mirror)
+    check_mirrors(full, mirror, stats)
+    plan, _ = plan_both(full, mirror)
+    assert {d.name: d.mode for d in plan.datasets} == dict.fromkeys(
+        ["alias", "alias_early", "g/flags", "g/trial"], "raw")
+    assert all(all(d.source_chunks) for d in plan.datasets)
+
+
 @pytest.mark.parametrize("store", MIRROR_STORES, indirect=True)
 def test_slug_run_with_an_empty_writer_plans_alike(store: CheckpointStore,
                                                    tmp_path: Path) -> None:
@@ -225,8 +299,12 @@ def test_slug_run_with_an_empty_writer_plans_alike(store: CheckpointStore,
     assert {d.mode for d in plan.datasets} == {"raw"}
 
 
-@pytest.mark.parametrize("name", ["hdf5ex-SDSextendible.h5", "pytables-python3.h5",
-                                  "netcdfc-cf_timeseries.nc"])
+@pytest.mark.parametrize("name", [
+    "hdf5ex-SDSextendible.h5", "netcdfc-cf_timeseries.nc", "netcdfc-usertypes.nc",
+    "pytables-attr-u16.h5", "pytables-idx-std-1.x.h5", "pytables-indexes_2_1.h5",
+    "pytables-out_of_order_types.h5", "pytables-python3.h5", "pytables-smpl_SDSextendible.h5",
+    "pytables-test_filenode_v1.h5", "pytables-times-nested-be.h5",
+])  # every corpus file a mirror leaves holes in
 def test_corpus_file_plans_alike(name: str, tmp_path: Path) -> None:
     store = local_store(tmp_path)
     full, mirror = tmp_path / "full", tmp_path / "mirror"
@@ -239,6 +317,56 @@ def test_corpus_file_plans_alike(name: str, tmp_path: Path) -> None:
     except (ValueError, TypeError, NotImplementedError) as exc:
         pytest.skip(f"chkq refuses this run: {exc}")
     plan_both(full, mirror)
+
+
+def test_chunks_of_other_rows_than_the_templates_are_kept_when_told(tmp_path: Path) -> None:
+    """h5py guesses chunks from each file's shape, so files' chunk rows differ from the
+    template's: planning copies those files through HDF5. Told the template's chunk rows
+    (``chunk_rows``, from the template's mirror, made first), a mirror keeps their bytes."""
+    store = local_store(tmp_path)
+    full, told, untold = tmp_path / "full", tmp_path / "told", tmp_path / "untold"
+    full.mkdir()
+    for number, rows in enumerate([3000, 9001, 2500], 1):
+        with h5py.File(full / f"{MODEL}_chk{number:05d}.h5", "w") as f:
+            f.create_dataset("a", data=np.arange(rows, dtype="<f8"), maxshape=(None,))
+            f.create_dataset("b", data=np.ones((rows, 2), dtype="<i2"), maxshape=(None, 2))
+            f.attrs["trials_completed"] = np.uint64(number)
+    keys = upload(store, full)
+    template = f"{MODEL}_chk00003.h5"
+    mirror_run(store, keys, untold)
+    rows = raw_chunk_rows(untold / template)
+    assert set(rows) == {"a", "b"}
+    stats = {}
+    for key in keys:
+        fd = new_file(told / key)
+        try:
+            stats[key] = mirror_object(store, key, store.version(key), fd, chunk_rows=rows)
+        finally:
+            os.close(fd)
+    check_mirrors(full, told, stats, rows)
+    assert stats[keys[0]].skipped == 0 and stats[keys[2]].skipped > 0
+    # b's chunks in the second file cut its rows: kept in any case.
+    differing = {(keys[0], "a"), (keys[1], "a"), (keys[0], "b")}
+    plan, _ = plan_both(full, untold, frozenset(differing))
+    assert {d.name: [bool(c) for c in d.source_chunks] for d in plan.datasets} == {
+        "a": [False, False, True], "b": [False, False, True]}
+    plan_both(full, told, chunk_rows=rows)  # the same job's temporary output made again
+
+
+def test_padded_records_are_read_through_hdf5(tmp_path: Path) -> None:
+    """netCDF records of a dimension shorter than the others in a file but the last: the plan
+    pads them with the fill value and copies that file's rows of them through HDF5, not from
+    ``source_chunks``. A mirror leaves those chunks out all the same (it cannot tell from one
+    object): the copy must read them from the object. Planning itself is alike."""
+    from test_fidelity_netcdf import write_run
+
+    store = local_store(tmp_path)
+    full, mirror = tmp_path / "full", tmp_path / "mirror"
+    write_run(full, lambda n: {"x": 7} if n == 1 else {})
+    stats = mirror_run(store, upload(store, full), mirror)
+    check_mirrors(full, mirror, stats)
+    plan, _ = plan_both(full, mirror, frozenset({(f"{MODEL}_chk00001.h5", "x")}))
+    assert {d.name: d.padding for d in plan.datasets if d.padding} == {"x": [[0, 3]]}
 
 
 def test_digest_is_the_only_field_that_reads_rows(tmp_path: Path) -> None:

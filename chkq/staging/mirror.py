@@ -12,7 +12,12 @@ calls ``raw`` (unfiltered, of a fixed-size type) and whose chunks
 whole plain rows (chunked, first dimension unlimited, every chunk stored
 and unfiltered); every other dataset (filtered, variable-length, fixed,
 chunks that cut rows) keeps its bytes, since its rows are read through
-HDF5.
+HDF5. Planning copies a file's chunks as bytes only if they have the
+template's rows per chunk: given those (``chunk_rows``, from the template's
+mirror, :func:`raw_chunk_rows`), a mirror keeps the chunks of other rows
+too. Records a file is padded after (netCDF records of one dimension of
+different lengths) are copied through HDF5 and still left out: their copy
+must read the object itself.
 
 Planning reads none of the bytes left out, so long as its scans do not
 digest rows (``digest=False``; a small file's digest hashes its rows); the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import bisect
 import io
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +53,7 @@ from chkq.rundir import fd_path
 from chkq.staging.fetching import FETCH_BYTES, changed_error
 from chkq.stores.base import CheckpointStore, ObjectVersion
 
-__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges"]
+__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows"]
 
 MiB = 1 << 20
 
@@ -155,13 +161,16 @@ class _PinnedFile(io.RawIOBase):
 _Extent = tuple[int, int, bool]
 
 
-def _extents(fid: h5f.FileID, url: str) -> tuple[list[_Extent], list[int]]:
+def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = None
+             ) -> tuple[list[_Extent], list[int]]:
     """Every stored chunk of every chunked dataset, and where object headers are.
 
     A chunk is a hole when its dataset is extensible along its first axis,
     ``raw`` (:func:`~chkq.consolidation.skeleton.dataset_mode`) and of plain
     chunks (:func:`~chkq.consolidation.checkpoint_files.plain_chunks`): the
-    rule planning applies to fill ``source_chunks``. The headers' file
+    rule planning applies to fill ``source_chunks``; with ``chunk_rows``, only
+    if the dataset is named there with its chunks' rows (as planning also
+    requires of them: the template's). The headers' file
     offsets (the superblock's first) are places no hole may cover; each
     object's attributes are opened too, so that HDF5 reads where they are.
     """
@@ -186,7 +195,9 @@ def _extents(fid: h5f.FileID, url: str) -> tuple[list[_Extent], list[int]]:
             continue
         index = chunk_index(obj, dcpl.get_chunk(), shape)
         maxdims = space.get_simple_extent_dims(True)
+        name = raw.decode("utf-8", "surrogateescape")
         hole = (maxdims[0] == h5s.UNLIMITED and dataset_mode(obj) == "raw"
+                and (chunk_rows is None or chunk_rows.get(name) == dcpl.get_chunk()[0])
                 and plain_chunks(obj, dcpl, shape, obj.get_type().get_size(), index)
                 is not None)
         for info in index.values():
@@ -237,12 +248,33 @@ def _check_extents(extents: list[_Extent], headers: list[int], starts: set[int],
     return holes
 
 
-def raw_chunk_ranges(path: str | os.PathLike[str]) -> list[tuple[int, int]]:
+def raw_chunk_ranges(path: str | os.PathLike[str], chunk_rows: Mapping[str, int] | None = None
+                     ) -> list[tuple[int, int]]:
     """``(offset, end)`` of the stored raw chunks of a local HDF5 file (merged, in order):
-    the ranges :func:`mirror_object` leaves as holes."""
+    the ranges :func:`mirror_object` leaves as holes (with the same ``chunk_rows``)."""
     with h5py.File(path, "r") as f:
-        extents, _ = _extents(f.id, str(path))
+        extents, _ = _extents(f.id, str(path), chunk_rows)
     return _check_extents(extents, [], set(), os.path.getsize(path), str(path))
+
+
+def raw_chunk_rows(path: str | os.PathLike[str]) -> dict[str, int]:
+    """Rows per chunk of each dataset of a local file (a mirror) whose chunks a mirror leaves
+    out: the template's, for :func:`mirror_object`'s ``chunk_rows``."""
+    found: dict[str, int] = {}
+    with h5py.File(path, "r") as f:
+        for raw, kind in walk_objects(f.id, f"checkpoint file {str(path)!r}"):
+            if kind != h5o.TYPE_DATASET:
+                continue
+            dsid = h5d.open(f.id, raw)
+            dcpl = dsid.get_create_plist()
+            if dcpl.get_layout() != h5d.CHUNKED or not dsid.shape:
+                continue
+            if (dsid.get_space().get_simple_extent_dims(True)[0] == h5s.UNLIMITED
+                    and dataset_mode(dsid) == "raw"
+                    and plain_chunks(dsid, dcpl, dsid.shape, dsid.get_type().get_size())
+                    is not None):
+                found[raw.decode("utf-8", "surrogateescape")] = int(dcpl.get_chunk()[0])
+    return found
 
 
 def _fetch_into(store: CheckpointStore, key: str, pinned: ObjectVersion, url: str, fd: int,
@@ -267,8 +299,8 @@ def _open_error(url: str, exc: BaseException) -> BadCheckpointError:
                               f"unreadable ({exc})")
 
 
-def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion,
-                  fd: int) -> MirrorStats:
+def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: int, *,
+                  chunk_rows: Mapping[str, int] | None = None) -> MirrorStats:
     """Write into ``fd`` (an empty file) a sparse copy of the pinned object: all but raw chunks.
 
     The object is opened in place by HDF5 over pinned ranged reads
@@ -280,6 +312,16 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion,
     chunks are holes (zeros, no blocks). The mirror is then reopened and
     must list the same chunks as the object. Memory is bounded by one fetch,
     HDF5's block cache (16 MiB) and the list of chunk extents.
+
+    ``chunk_rows``: the template's rows per chunk of each raw dataset
+    (:func:`raw_chunk_rows` of its mirror, made first). Planning copies a
+    file's chunks as bytes only when they have the template's rows
+    (``source_chunks``); with it, a dataset whose chunks have other rows
+    (h5py's automatic chunks, guessed from each file's own shape) keeps its
+    bytes, which the copy then reads through HDF5. Without it, every plain
+    chunk is left out. Records a file pads (netCDF records of different
+    lengths, ``DatasetPlan.padding``) are copied through HDF5 too: those a
+    mirror leaves out all the same, and the copy must read from the object.
 
     Raises
     ------
@@ -300,7 +342,7 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion,
     try:
         try:
             with h5py.File(source, "r") as f:
-                extents, headers = _extents(f.id, url)
+                extents, headers = _extents(f.id, url, chunk_rows)
         except CheckpointChangedError:
             raise
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
@@ -320,15 +362,16 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion,
     if store.get_range_pinned(key, pinned, pinned.size, 1) != b"":
         raise changed_error(url)
     skipped = sum(stop - start for start, stop in holes)
-    _check_mirror(fd, extents, url)
+    _check_mirror(fd, extents, url, chunk_rows)
     return MirrorStats(pinned.size, pinned.size - skipped, skipped)
 
 
-def _check_mirror(fd: int, extents: list[_Extent], url: str) -> None:
+def _check_mirror(fd: int, extents: list[_Extent], url: str,
+                  chunk_rows: Mapping[str, int] | None) -> None:
     """Refuse a mirror that does not list the object's chunks (metadata lost in a hole)."""
     try:
         with h5py.File(fd_path(fd), "r", locking=False) as f:
-            again, _ = _extents(f.id, url)
+            again, _ = _extents(f.id, url, chunk_rows)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptionError(
             f"checkpoint object {url!r} is damaged or forged: its mirror cannot be read "
