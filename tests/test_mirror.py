@@ -278,6 +278,7 @@ def test_datasets_resized_in_place_plan_alike(tmp_path: Path) -> None:
     keys = upload(store, full)
     stats = mirror_run(store, keys, mirror)
     check_mirrors(full, mirror, stats)
+    poison(mirror, keys, {key: raw_chunk_ranges(full / key) for key in keys})
     plan, _ = plan_both(full, mirror)
     assert {d.name: d.mode for d in plan.datasets} == dict.fromkeys(
         ["alias", "alias_early", "g/flags", "g/trial"], "raw")

@@ -323,6 +323,9 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     lengths, ``DatasetPlan.padding``) are copied through HDF5 too: those a
     mirror leaves out all the same, and the copy must read from the object.
 
+    Nothing is written before the object's chunks are checked; a failure
+    after that leaves part of the mirror in ``fd``, which the caller removes.
+
     Raises
     ------
     CheckpointChangedError
