@@ -215,12 +215,14 @@ def surveyed_run(
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
     through: int | None = None,
     extending: bool = False,
+    digest: bool = True,
 ) -> Iterator[SurveyedRun]:
     """Check the run as planning does; yield what a plan is made from, nothing written.
 
     ``run``, ``allow_gaps``, ``max_decoded_bytes`` and ``through`` as for :func:`prepare`,
     which plans from what this yields; ``chkq consolidate --dry-run`` shows it.
     ``extending``: for a new version of an output that exists (``job_files``).
+    ``digest``: as for :func:`prepare`.
 
     Raises
     ------
@@ -235,7 +237,7 @@ def surveyed_run(
         if run is None:
             checkpoints = find_run(job.out_dir, model, rundir, allow_gaps=allow_gaps,
                                    through=through)
-            scanned = scan_files(run_files(checkpoints), job.out_dir, rundir)
+            scanned = scan_files(run_files(checkpoints), job.out_dir, rundir, digest=digest)
         else:
             checkpoints, scanned = run
             if [s.scan.path for s in scanned] != run_files(checkpoints):
@@ -276,6 +278,8 @@ def prepare(
     allow_gaps: bool = False,
     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
     through: int | None = None,
+    digest: bool = True,
+    reserve: bool = True,
 ) -> Plan:
     """Check the run, create the output skeleton under a temporary name, return the plan.
 
@@ -290,6 +294,14 @@ def prepare(
     decode to at most ``max_decoded_bytes``
     (:func:`chkq.consolidation.memory_bounds.check_decoded`).
 
+    ``digest``: whether the scan digests small files' rows (``FileScan.digest``,
+    the plan's ``file_digests``); ``reserve``: whether the skeleton's full size
+    is reserved on disk (:func:`chkq.consolidation.skeleton.create_skeleton`).
+    Planning a run of metadata mirrors (:mod:`chkq.staging.mirror`), whose raw
+    chunks are holes, takes neither: ``digest=False`` reads no row, and
+    ``reserve=False`` leaves the skeleton as sparse as its mirrors. Planning
+    reads no other byte of those chunks.
+
     Raises
     ------
     FileNotFoundError
@@ -302,7 +314,7 @@ def prepare(
     """
     with surveyed_run(out_dir, model, job_id, block_bytes=block_bytes, run=run,
                       allow_gaps=allow_gaps, max_decoded_bytes=max_decoded_bytes,
-                      through=through) as survey:
+                      through=through, digest=digest) as survey:
         job, rundir, datasets = survey.job, survey.rundir, survey.datasets
         checkpoints, scanned, scans = survey.checkpoints, survey.scanned, survey.scans
         reference, padding = survey.reference, survey.padding
@@ -313,7 +325,7 @@ def prepare(
             access=output_access([s.scan.access for s in scanned]),
             rows={d.name: d.total for d in datasets},
             raw={d.name for d in datasets if d.mode == "raw"},
-            run=rundir, template=survey.template,
+            run=rundir, template=survey.template, reserve=reserve,
         )
         out_dir_id = rundir.identity()
     for d in datasets:

@@ -146,7 +146,8 @@ def run_files(checkpoints: list[Checkpoint]) -> list[Path]:
 
 
 def scan_files(paths: list[Path], out_dir: str | Path,
-               run: RunDir | None = None, *, reuse: bool = False) -> list[ScannedFile]:
+               run: RunDir | None = None, *, reuse: bool = False,
+               digest: bool = True) -> list[ScannedFile]:
     """Stamp and scan each file of the run in ``out_dir``; the stamp is checked after the scan.
 
     Each file is opened once through the run directory's descriptor
@@ -161,6 +162,9 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     scans only its new checkpoints). The stamp is the same proof of an
     unchanged file that every later open of the job relies on.
 
+    ``digest``: whether small files' rows are digested (:func:`scan_file`);
+    a run of metadata mirrors (:mod:`chkq.staging.mirror`) holds no rows to digest.
+
     Raises
     ------
     ValueError
@@ -171,24 +175,24 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     """
     if run is None:
         with RunDir.open(out_dir, exact=True) as opened:
-            return scan_files(paths, out_dir, opened, reuse=reuse)
+            return scan_files(paths, out_dir, opened, reuse=reuse, digest=digest)
     scanned = []
     for path in paths:
         fd = run.open_file(path)
         try:
             stamp = stamp_of(path, os.fstat(fd))
-            known = _SCANNED.get((str(path), stamp)) if reuse else None
+            known = _SCANNED.get((str(path), stamp)) if reuse and digest else None
             if known is not None:
                 scanned.append(known)
                 continue
-            scan = scan_file(path, fd=fd)
+            scan = scan_file(path, fd=fd) if digest else scan_file(path, digest=False, fd=fd)
             st = os.fstat(fd)
             check_same(path, stamp, st, "changed while it was being planned")
         finally:
             os.close(fd)
         scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
         scanned.append(ScannedFile(scan, stamp))
-        if reuse:
+        if reuse and digest:
             _SCANNED.put((str(path), stamp), scanned[-1])
     return scanned
 

@@ -212,7 +212,8 @@ def _allocate_by_writing(dsid: h5d.DatasetID) -> None:
 
 def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[str],
                     access: tuple[int, int, int] = (0o600, -1, -1), *, run: RunDir,
-                    template: int) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
+                    template: int, reserve: bool = True
+                    ) -> tuple[dict[str, list[int]], int, tuple[str, str]]:
     """Write the output skeleton to ``temp``: ``reference``'s bytes, datasets resized.
 
     ``template`` is ``reference`` opened (and checked) by the caller: HDF5
@@ -230,6 +231,11 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         The raw-mode datasets, whose chunks must all be allocated.
     access
         The output's permission bits, owner and group (:func:`output_access`).
+    reserve
+        Whether the output's full size is reserved on disk first
+        (:func:`reserve_space`). Without it the skeleton holds blocks only
+        where something was written (its metadata, and chunks HDF5 fills):
+        a sparse skeleton, planned on a node that copies no row.
 
     Returns
     -------
@@ -255,8 +261,9 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         _apply_access(fd, access)
         copy_template(template, fd, skip)
         inode = os.fstat(fd).st_ino
-        reserve_space(fd, temp, os.fstat(template).st_size
-                      + sum(total * row_bytes[name] for name, total in rows.items()))
+        if reserve:
+            reserve_space(fd, temp, os.fstat(template).st_size
+                          + sum(total * row_bytes[name] for name, total in rows.items()))
         layout = _resize(fd, rows, raw, recreated, bounds)
     finally:
         os.close(fd)

@@ -43,7 +43,7 @@ from chkq.staging.listing import (
 )
 from chkq.stores.base import CheckpointStore, ObjectVersion
 
-__all__ = ["FETCH_BYTES", "FetchedFile", "check_room", "fetch_objects"]
+__all__ = ["FETCH_BYTES", "FetchedFile", "changed_error", "check_room", "fetch_objects"]
 
 
 FETCH_BYTES = 32 << 20
@@ -88,10 +88,15 @@ class FetchedFile:
         return cls(name, size, digest, stamp)
 
 
-def _changed(run: StoreRun, name: str) -> CheckpointChangedError:
+def changed_error(url: str) -> CheckpointChangedError:
+    """The refusal of the object at ``url``: not the pinned version (any more)."""
     return CheckpointChangedError(
-        f"checkpoint file {run.url_of(name)!r} changed since the job was planned (replaced, "
+        f"checkpoint file {url!r} changed since the job was planned (replaced, "
         "rewritten or deleted in the store): nothing of it was used")
+
+
+def _changed(run: StoreRun, name: str) -> CheckpointChangedError:
+    return changed_error(run.url_of(name))
 
 
 @contextlib.contextmanager
