@@ -72,8 +72,8 @@ from chkq.tasks.from_store import (
     store_job,
 )
 from chkq.tasks.parties import authorize_link
-from chkq.tasks.store_parts import abort_assembly
 from chkq.tasks.state import records, worker_roots
+from chkq.tasks.store_parts import abort_assembly
 
 log = logging.getLogger("chkq.tasks")
 

@@ -409,7 +409,7 @@ def fetch(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
     try:
         found.run_dir.mkdir(parents=True, exist_ok=True)
         written = fetch_objects(found.run, names, found.run_dir, files,
-                                core=get_settings().core())
+                                core=get_settings().core(), mirror=found.spread)
     finally:
         if job_ended(job):
             discard_workspace(job)

@@ -62,8 +62,8 @@ from chkq.tasks.from_store import (
     scratch_job,
 )
 from chkq.tasks.parties import authorize_plan
-from chkq.tasks.store_parts import launch_parts
 from chkq.tasks.state import records, worker_roots
+from chkq.tasks.store_parts import launch_parts
 
 log = logging.getLogger("chkq.tasks")
 
@@ -105,7 +105,7 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
             task_files=settings.task_files,
             run=_scanned_run(self, out_dir, model, job, cleanup, allow_gaps, through),
             allow_gaps=allow_gaps, max_decoded_bytes=settings.max_decoded_bytes,
-            through=through, sparse=spread,
+            through=through, digest=not spread, reserve=not spread,
         )
         if in_store is not None:
             check_planned_sources(in_store, job, prepared)

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_from_store import LIMITS, TIMEOUT, fetched, reference_output, store_url, upload_run
+from test_output_parts import _uneven_run
 
 from chkq.demo import RunShape, make_run
 from chkq.stores import open_store
@@ -26,8 +28,6 @@ from chkq.workers.client import submit_store_consolidation
 from support.helpers import assert_same_hdf5
 from support.plugins.cluster import WorkerProcess
 from support.plugins.faults import Cluster
-from test_from_store import LIMITS, TIMEOUT, fetched, reference_output, store_url, upload_run
-from test_output_parts import _uneven_run
 
 pytestmark = pytest.mark.integration
 

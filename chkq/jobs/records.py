@@ -138,7 +138,7 @@ class JobRecords(SealedStore):
         return self.hgetall_units(keys.job_record(job, "fetched"))
 
     def record_assembly(self, job: str, record: dict[str, Any]) -> dict[str, Any]:
-        """Record how a spread store job's output is assembled, unless recorded; return the recorded.
+        """Record how a spread store job's output is assembled, unless recorded; return it.
 
         ``record``: the shared upload the parts go to, the output's size and
         its parts (``chkq.consolidation.output_parts``).

@@ -235,7 +235,7 @@ def check_room(run: StoreRun, objects: Sequence[SourceObject], into: Path) -> No
 
 def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
                   fetched: list[FetchedFile] | None = None, *,
-                  core: CoreSettings | None = None) -> int:
+                  core: CoreSettings | None = None, mirror: bool = False) -> int:
     """Write the run's files ``names`` into the directory ``into``, each under its name.
 
     Each file appears whole or not at all: its bytes go to a random
@@ -254,6 +254,13 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
 
     ``fetched``, if given, receives what each file is once in place
     (:class:`FetchedFile`: its size, SHA-256 and identity), in order.
+
+    With ``mirror``, a plain object is fetched as its metadata mirror
+    (:func:`chkq.staging.mirror.mirror_object`, every chunk of its raw
+    datasets a hole: a job that copies its rows from the store by range),
+    sealed by the SHA-256 of the bytes fetched (``mirror:HEX``); what an
+    earlier delivery left at its name in the private workspace is mirrored
+    again, and no room is asked for the holes.
 
     Returns
     -------
@@ -281,8 +288,9 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
             raise BadNameError(f"{name!r} is not a checkpoint file of {run.source!r}")
         check_relative_name(name)
     root = check_out_dir(into)
-    check_room(run, [by_name[n] for n in names if not _same_size_there(root, by_name[n])],
-               root)
+    if not mirror:
+        check_room(run, [by_name[n] for n in names if not _same_size_there(root, by_name[n])],
+                   root)
     store = open_run_store(run.store_url, core)
     # A fetch loads its checkpoints in run order: the one before each (a delta's base, most
     # often) is all the log's cache needs to hold.
@@ -295,7 +303,8 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
     try:
         for name in names:
             try:
-                size, done = _fetch_one(store, log, run, by_name[name], root_fd, root, made)
+                size, done = _fetch_one(store, log, run, by_name[name], root_fd, root, made,
+                                        mirror and log is None)
             except OSError as exc:
                 if exc.errno in WRITE_ERRNOS and not isinstance(exc, OutputWriteError):
                     raise OutputWriteError(
@@ -338,12 +347,15 @@ def _placed(obj: SourceObject, dir_fd: int, name: str, digest: str) -> FetchedFi
 
 def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
                obj: SourceObject, root_fd: int, root: Path,
-               made: list[tuple[int, str, bool]]) -> tuple[int, FetchedFile]:
-    """Fetch one file: bytes written and what it is in place; what is made is appended to
-    ``made`` as (parent fd, name, is a dir)."""
+               made: list[tuple[int, str, bool]], mirror: bool = False
+               ) -> tuple[int, FetchedFile]:
+    """Fetch one file (or its mirror): bytes written and what it is in place; what is made is
+    appended to ``made`` as (parent fd, name, is a dir)."""
     parts = obj.name.split("/")
     target = root.joinpath(*parts)
     with _parent_dir(root_fd, root, parts, made) as dir_fd:
+        if mirror:
+            return _mirror_one(store, run, obj, dir_fd, parts[-1], made)
         kept = _already_there(store, log, run, obj, dir_fd, target)
         if kept is not None:
             return 0, _placed(obj, dir_fd, parts[-1], kept)
@@ -385,6 +397,39 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
                 os.unlink(temp, dir_fd=dir_fd)
         os.fsync(dir_fd)
         return obj.size, _placed(obj, dir_fd, parts[-1], digest)
+
+
+def _mirror_one(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd: int,
+                name: str, made: list[tuple[int, str, bool]]) -> tuple[int, FetchedFile]:
+    """Write the object's metadata mirror at ``name`` of ``dir_fd``, replacing an earlier one.
+
+    Raises
+    ------
+    OutputExistsError
+        If what is at ``name`` is not a regular file (a link, a directory).
+    """
+    from chkq.staging.mirror import mirror_object
+
+    with contextlib.suppress(FileNotFoundError):
+        found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(found.st_mode):
+            raise OutputExistsError(f"{name!r} in the job's workspace is not a file: refused")
+        os.unlink(name, dir_fd=dir_fd)
+    temp, fd = _new_temp(dir_fd, obj.mode)
+    try:
+        try:
+            stats = mirror_object(store, obj.key, ObjectVersion(obj.size, obj.version), fd,
+                                  every_raw=True)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(temp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+        made.append((os.dup(dir_fd), name, False))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(temp, dir_fd=dir_fd)
+    os.fsync(dir_fd)
+    return stats.fetched, _placed(obj, dir_fd, name, "mirror:" + stats.sha256)
 
 
 def _placed_meanwhile(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,

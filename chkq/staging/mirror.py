@@ -35,6 +35,7 @@ mirror that does not list the same chunks again when reopened.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import io
 import os
 from collections.abc import Mapping
@@ -70,11 +71,15 @@ class MirrorStats:
         Bytes actually fetched and written.
     skipped
         Bytes left as holes (raw chunk data).
+    sha256
+        The SHA-256 of the mirror's bytes fetched, in order, each run after
+        its offset and length (the mirror's seal, without reading its holes).
     """
 
     size: int
     fetched: int
     skipped: int
+    sha256: str = ""
 
 
 class _PinnedFile(io.RawIOBase):
@@ -161,8 +166,8 @@ class _PinnedFile(io.RawIOBase):
 _Extent = tuple[int, int, bool]
 
 
-def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = None
-             ) -> tuple[list[_Extent], list[int]]:
+def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = None,
+             every_raw: bool = False) -> tuple[list[_Extent], list[int]]:
     """Every stored chunk of every chunked dataset, and where object headers are.
 
     A chunk is a hole when its dataset is extensible along its first axis,
@@ -173,6 +178,8 @@ def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = N
     requires of them: the template's). The headers' file
     offsets (the superblock's first) are places no hole may cover; each
     object's attributes are opened too, so that HDF5 reads where they are.
+    With ``every_raw``, every chunk of an extensible raw dataset is a hole,
+    whatever its shape or rows.
     """
     base = int(fid.get_create_plist().get_userblock())
     headers = [base]
@@ -197,9 +204,10 @@ def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = N
         maxdims = space.get_simple_extent_dims(True)
         name = raw.decode("utf-8", "surrogateescape")
         hole = (maxdims[0] == h5s.UNLIMITED and dataset_mode(obj) == "raw"
-                and (chunk_rows is None or chunk_rows.get(name) == dcpl.get_chunk()[0])
-                and plain_chunks(obj, dcpl, shape, obj.get_type().get_size(), index)
-                is not None)
+                and (every_raw or (
+                    (chunk_rows is None or chunk_rows.get(name) == dcpl.get_chunk()[0])
+                    and plain_chunks(obj, dcpl, shape, obj.get_type().get_size(), index)
+                    is not None)))
         for info in index.values():
             if info.byte_offset is None or not info.size:
                 continue
@@ -278,14 +286,16 @@ def raw_chunk_rows(path: str | os.PathLike[str]) -> dict[str, int]:
 
 
 def _fetch_into(store: CheckpointStore, key: str, pinned: ObjectVersion, url: str, fd: int,
-                start: int, stop: int) -> None:
-    """Write the pinned bytes ``[start, stop)`` at the same offsets of ``fd``."""
+                start: int, stop: int, digest: Any) -> None:
+    """Write the pinned bytes ``[start, stop)`` at the same offsets of ``fd``; hash them."""
+    digest.update(f"{start}+{stop - start}:".encode())
     offset = start
     while offset < stop:
         want = min(FETCH_BYTES, stop - offset)
         piece = store.get_range_pinned(key, pinned, offset, want)
         if piece is None or len(piece) != want:
             raise changed_error(url)
+        digest.update(piece)
         view = memoryview(piece)
         at = offset
         while view:
@@ -300,7 +310,8 @@ def _open_error(url: str, exc: BaseException) -> BadCheckpointError:
 
 
 def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: int, *,
-                  chunk_rows: Mapping[str, int] | None = None) -> MirrorStats:
+                  chunk_rows: Mapping[str, int] | None = None,
+                  every_raw: bool = False) -> MirrorStats:
     """Write into ``fd`` (an empty file) a sparse copy of the pinned object: all but raw chunks.
 
     The object is opened in place by HDF5 over pinned ranged reads
@@ -322,6 +333,9 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     chunk is left out. Records a file pads (netCDF records of different
     lengths, ``DatasetPlan.padding``) are copied through HDF5 too: those a
     mirror leaves out all the same, and the copy must read from the object.
+    ``every_raw``: leave out every chunk of every extensible raw dataset,
+    whatever its shape (for a job that copies rows by range from each
+    file's own chunk index, never through HDF5).
 
     Nothing is written before the object's chunks are checked; a failure
     after that leaves part of the mirror in ``fd``, which the caller removes.
@@ -345,7 +359,7 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     try:
         try:
             with h5py.File(source, "r") as f:
-                extents, headers = _extents(f.id, url, chunk_rows)
+                extents, headers = _extents(f.id, url, chunk_rows, every_raw)
         except CheckpointChangedError:
             raise
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
@@ -359,22 +373,23 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     holes = _check_extents(list(extents), headers, source.starts, pinned.size, url)
     os.ftruncate(fd, pinned.size)
     at = 0
+    digest = hashlib.sha256()
     for start, stop in [*holes, (pinned.size, pinned.size)]:
-        _fetch_into(store, key, pinned, url, fd, at, start)
+        _fetch_into(store, key, pinned, url, fd, at, start, digest)
         at = stop
     if store.get_range_pinned(key, pinned, pinned.size, 1) != b"":
         raise changed_error(url)
     skipped = sum(stop - start for start, stop in holes)
-    _check_mirror(fd, extents, url, chunk_rows)
-    return MirrorStats(pinned.size, pinned.size - skipped, skipped)
+    _check_mirror(fd, extents, url, chunk_rows, every_raw)
+    return MirrorStats(pinned.size, pinned.size - skipped, skipped, digest.hexdigest())
 
 
 def _check_mirror(fd: int, extents: list[_Extent], url: str,
-                  chunk_rows: Mapping[str, int] | None) -> None:
+                  chunk_rows: Mapping[str, int] | None, every_raw: bool) -> None:
     """Refuse a mirror that does not list the object's chunks (metadata lost in a hole)."""
     try:
         with h5py.File(fd_path(fd), "r", locking=False) as f:
-            again, _ = _extents(f.id, url, chunk_rows)
+            again, _ = _extents(f.id, url, chunk_rows, every_raw)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptionError(
             f"checkpoint object {url!r} is damaged or forged: its mirror cannot be read "
