@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from chkq.stores import CheckpointStore
-from chkq.stores.shared_upload import PartRecord, checksums_match
+from chkq.stores.shared_upload import PartRecord, checksums_match, crc32c_combine
 from support.plugins.object_stores import BUCKET, make_store
 from support.shared_parts import built, complete_parts, write_parts
 
@@ -108,3 +108,29 @@ def test_gcs_abort_and_refused_completion_leave_nothing_staged(
     assert store.complete_shared_upload(refused, [part]) is False
     assert _staged(store) == []
     assert store.get("out/obj") == b"taken"
+
+
+@pytest.mark.parametrize("kind", ["gcs"])
+def test_gcs_copies_a_large_range_through_the_client(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A range above google-cloud-storage's 8 MiB and 32 MiB (two chunks of a resumable
+    upload, each read pinned) is staged with its CRC32C."""
+    store = make_store(kind, request, tmp_path)
+    source = random.Random(10).randbytes(41 * MiB)
+    store.put("src", source)
+    upload = store.begin_shared_upload("out/obj")
+    part = store.copy_part(upload, 1, "src", store.version("src"), 7, 40 * MiB, 0)
+    assert store.complete_shared_upload(upload, [part]) is True
+    assert store.get("out/obj") == source[7 : 7 + 40 * MiB]
+    assert checksums_match(store.checksums("out/obj"), store.shared_upload_checksums([part]))
+    assert _staged(store) == []
+
+
+def test_crc32c_combined_from_parts_is_the_whole_objects() -> None:
+    google_crc32c = pytest.importorskip("google_crc32c")
+    rng = random.Random(11)
+    pieces = [rng.randbytes(size) for size in (0, 1, 7, 4096, 65537, 3)]
+    whole = 0
+    for piece in pieces:
+        whole = crc32c_combine(whole, int(google_crc32c.value(piece)), len(piece))
+    assert whole == google_crc32c.value(b"".join(pieces))

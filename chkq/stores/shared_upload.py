@@ -42,6 +42,7 @@ __all__ = [
     "checksums_match",
     "combined_crc32c",
     "composite_sha256",
+    "crc32c_combine",
     "validate_parts",
 ]
 
