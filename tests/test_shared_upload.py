@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import random
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 
 from chkq.stores import CheckpointStore
 from chkq.stores.shared_upload import PartRecord, checksums_match, crc32c_combine
-from support.plugins.object_stores import BUCKET, make_store
+from support.plugins.object_stores import BUCKET, FaultProxy, make_store
 from support.shared_parts import built, complete_parts, write_parts
 
 MiB = 1 << 20
@@ -134,3 +135,23 @@ def test_crc32c_combined_from_parts_is_the_whole_objects() -> None:
     for piece in pieces:
         whole = crc32c_combine(whole, int(google_crc32c.value(piece)), len(piece))
     assert whole == google_crc32c.value(b"".join(pieces))
+
+
+def test_s3_lost_answer_to_a_shared_completion_is_settled(s3_proxy: FaultProxy) -> None:
+    """The completion reached moto, its answer did not: the completion asked again is
+    refused, and the object's write id (the token's) shows it this upload's own; a
+    completer that asks once more after that is told True too."""
+    from chkq.stores import S3Store
+
+    prefix = f"lost-shared-{uuid.uuid4().hex[:8]}"
+    store = S3Store(BUCKET, prefix, endpoint_url=s3_proxy.url)
+    upload = store.begin_shared_upload("out")
+    parts = [store.put_part(upload, 1, b"a" * PART, 0), store.put_part(upload, 2, b"b", PART)]
+    s3_proxy.lose_next_response(f"POST /{BUCKET}/{prefix}/out?uploadId".encode())
+    assert store.complete_shared_upload(upload, parts) is True
+    assert s3_proxy.lost == 1
+    assert store.get("out") == b"a" * PART + b"b"
+    assert store.complete_shared_upload(upload, parts) is True, "asked again: still ours"
+    other = store.begin_shared_upload("out")
+    assert store.complete_shared_upload(other, [store.put_part(other, 1, b"c", 0)]) is False
+    assert store.stray_uploads() == []

@@ -424,13 +424,13 @@ class CheckpointStore(ABC):
             bytes differ).
         """
         self._shared_capable()
-        self._check_part(upload, 1, 0, 0)
+        self._check_upload(upload)
         return self._complete_shared_upload(upload, builtins.list(parts))
 
     def abort_shared_upload(self, upload: SharedUpload) -> None:
         """Drop ``upload`` and every part of it; aborting again, or once complete, is a no-op."""
         self._shared_capable()
-        self._check_part(upload, 1, 0, 0)
+        self._check_upload(upload)
         self._abort_shared_upload(upload)
 
     def shared_upload_checksums(self, parts: builtins.list[PartRecord]) -> ObjectChecksums:
@@ -445,9 +445,13 @@ class CheckpointStore(ABC):
         """
         return ObjectChecksums(size=sum(part.size for part in parts))
 
-    def _check_part(self, upload: SharedUpload, number: int, offset: int, size: int) -> None:
+    @staticmethod
+    def _check_upload(upload: SharedUpload) -> None:
         if not isinstance(upload, SharedUpload):
             raise TypeError(f"a shared upload is a SharedUpload, not {type(upload).__name__}")
+
+    def _check_part(self, upload: SharedUpload, number: int, offset: int, size: int) -> None:
+        self._check_upload(upload)
         if isinstance(number, bool) or not isinstance(number, int) \
                 or not 1 <= number <= MAX_PART_NUMBER:
             raise ValueError(f"store {self.url}: part number {number!r} of {upload.key} is not "
