@@ -28,6 +28,12 @@ from chkq.errors import InvalidKeyError, StoreNotFoundError, TransientStoreError
 from chkq.stores.keys import bucket_prefix, validate_key, validate_prefix
 from chkq.stores.objects import FileAccess, ObjectChecksums, ObjectVersion, StrayUpload
 from chkq.stores.retry import StoreTimeouts, overall_budget, retry_transient
+from chkq.stores.shared_upload import (
+    MAX_PART,
+    MAX_PART_NUMBER,
+    PartRecord,
+    SharedUpload,
+)
 from chkq.stores.uploads import BufferedUpload, PartsUpload
 
 __all__ = [
@@ -36,7 +42,9 @@ __all__ = [
     "InvalidKeyError",
     "ObjectChecksums",
     "ObjectVersion",
+    "PartRecord",
     "PartsUpload",
+    "SharedUpload",
     "StoreNotFoundError",
     "StoreTimeouts",
     "StrayUpload",
@@ -305,6 +313,177 @@ class CheckpointStore(ABC):
 
     def _abort_upload(self, stray: StrayUpload) -> None:
         return None
+
+    # shared uploads: parts written by many processes -------------------------------------
+
+    @property
+    def supports_shared_uploads(self) -> bool:
+        """Whether this store has :meth:`begin_shared_upload` and the methods after it."""
+        return False
+
+    def begin_shared_upload(self, key: str) -> SharedUpload:
+        """Start publishing one object under ``key`` from parts that many processes write.
+
+        Its token (:meth:`SharedUpload.to_record`) goes to the writers, each
+        of which adds parts (:meth:`put_part`, :meth:`copy_part`) and hands
+        back their :class:`PartRecord`; one then publishes the object,
+        create-if-absent (:meth:`complete_shared_upload`), or drops it
+        (:meth:`abort_shared_upload`). Until then it is one of
+        :meth:`stray_uploads` (``chkq gc`` aborts it once old). S3 starts a
+        multipart upload with ``ChecksumAlgorithm=SHA256``, GCS names a
+        staging place of composed parts, a local directory makes a file in a
+        private directory of the writer's (every writer must run as the same
+        user, on the same filesystem).
+
+        Raises
+        ------
+        NotImplementedError
+            If the store has no shared uploads (:attr:`supports_shared_uploads`).
+        """
+        key = validate_key(key)
+        self._shared_capable()
+        return self._begin_shared_upload(key)
+
+    def put_part(self, upload: SharedUpload, number: int, data: bytes,
+                 offset: int) -> PartRecord:
+        """Upload ``data`` as part ``number`` of ``upload``, starting at ``offset`` of the object.
+
+        Putting a part again (a redelivered task) with the same bytes is
+        harmless; with other bytes the last put is the part. S3 sends the
+        part's SHA-256, which S3 checks, GCS its CRC32C; a local directory
+        writes the bytes at ``offset`` of the upload's file (S3 and GCS keep
+        the offset in the record only; the completion checks it).
+
+        Raises
+        ------
+        ValueError
+            If the number is not 1 to 10000, ``offset`` is negative or the
+            part is larger than 5 GiB.
+        """
+        self._shared_capable()
+        data = bytes(data)
+        self._check_part(upload, number, offset, len(data))
+        return self._put_part(upload, number, data, offset)
+
+    def copy_part(self, upload: SharedUpload, number: int, source_key: str,
+                  pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
+        """Make ``length`` bytes of ``source_key`` from ``start`` part ``number`` of ``upload``.
+
+        Only bytes of the ``pinned`` version are copied: S3 copies
+        server-side (``UploadPartCopy`` with ``CopySourceIfMatch``, and the
+        source's ETag checked after); GCS has no ranged copy, so the range
+        is read pinned (:meth:`get_range_pinned`, 32 MiB at a time) and
+        uploaded as the part: its bytes pass through the caller; a local
+        directory copies in the kernel (``copy_file_range``) from the source
+        file, checked to be the pinned version before and after.
+
+        Raises
+        ------
+        CheckpointChangedError
+            If the source is gone or no longer the pinned version, naming it.
+        ValueError
+            If the range is empty, larger than 5 GiB or reaches past the
+            pinned size, or as :meth:`put_part`.
+        """
+        self._shared_capable()
+        source_key = validate_key(source_key)
+        if start < 0 or length < 1 or start + length > pinned.size:
+            raise ValueError(f"store {self.url}: range {start}+{length} of {source_key} is "
+                             f"not within its {pinned.size} bytes (a copied part is not empty)")
+        self._check_part(upload, number, offset, length)
+        return self._copy_part(upload, number, source_key, pinned, start, length, offset)
+
+    def complete_shared_upload(self, upload: SharedUpload,
+                               parts: builtins.list[PartRecord]) -> bool:
+        """Publish ``upload`` from ``parts`` under its key, create-if-absent.
+
+        ``parts`` are every part of the object, in number order, offsets
+        contiguous from 0 (:func:`~chkq.stores.shared_upload.validate_parts`);
+        parts put but not listed are dropped. S3 completes with
+        ``If-None-Match: *`` and the parts' checksums, a completion whose
+        answer was lost settled as :meth:`upload` settles it; GCS composes the
+        staged parts (each checked to have the size and CRC32C recorded) 32
+        at a time and the last compose with ``ifGenerationMatch=0``; a local
+        directory checks each part's SHA-256, fsyncs and links the file into
+        place. :meth:`shared_upload_checksums` then tells what
+        :meth:`checksums` of the object must be.
+
+        Returns
+        -------
+        bool
+            True if the object is now this upload's (also when asked again
+            after a lost answer), False if another object had the key: this
+            upload is then aborted, nothing of it left.
+
+        Raises
+        ------
+        ValueError
+            If ``parts`` break the rules above (nothing is changed: complete
+            again with the right parts), or a part is not in the store as
+            recorded (:class:`~chkq.errors.StoredBytesMismatchError` if its
+            bytes differ).
+        """
+        self._shared_capable()
+        self._check_upload(upload)
+        return self._complete_shared_upload(upload, builtins.list(parts))
+
+    def abort_shared_upload(self, upload: SharedUpload) -> None:
+        """Drop ``upload`` and every part of it; aborting again, or once complete, is a no-op."""
+        self._shared_capable()
+        self._check_upload(upload)
+        self._abort_shared_upload(upload)
+
+    def shared_upload_checksums(self, parts: builtins.list[PartRecord]) -> ObjectChecksums:
+        """What :meth:`checksums` of an object completed from ``parts`` must be.
+
+        S3: the composite SHA-256 of the parts' checksums
+        (:func:`~chkq.stores.shared_upload.composite_sha256`); GCS: the CRC32C
+        combined from theirs (:func:`~chkq.stores.shared_upload.combined_crc32c`);
+        elsewhere the size alone. Compare with
+        :func:`~chkq.stores.shared_upload.checksums_match` to prove the object
+        without reading it.
+        """
+        return ObjectChecksums(size=sum(part.size for part in parts))
+
+    @staticmethod
+    def _check_upload(upload: SharedUpload) -> None:
+        if not isinstance(upload, SharedUpload):
+            raise TypeError(f"a shared upload is a SharedUpload, not {type(upload).__name__}")
+
+    def _check_part(self, upload: SharedUpload, number: int, offset: int, size: int) -> None:
+        self._check_upload(upload)
+        if isinstance(number, bool) or not isinstance(number, int) \
+                or not 1 <= number <= MAX_PART_NUMBER:
+            raise ValueError(f"store {self.url}: part number {number!r} of {upload.key} is not "
+                             f"1 to {MAX_PART_NUMBER}")
+        if offset < 0:
+            raise ValueError(f"store {self.url}: part {number} of {upload.key}: offset "
+                             f"{offset} is negative")
+        if size > MAX_PART:
+            raise ValueError(f"store {self.url}: part {number} of {upload.key} has {size} "
+                             f"bytes, more than the {MAX_PART} a part may have")
+
+    def _shared_capable(self) -> None:
+        if not self.supports_shared_uploads:
+            raise NotImplementedError(f"store {self.url} has no shared uploads")
+
+    def _begin_shared_upload(self, key: str) -> SharedUpload:
+        raise NotImplementedError
+
+    def _put_part(self, upload: SharedUpload, number: int, data: bytes,
+                  offset: int) -> PartRecord:
+        raise NotImplementedError
+
+    def _copy_part(self, upload: SharedUpload, number: int, source_key: str,
+                   pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
+        raise NotImplementedError
+
+    def _complete_shared_upload(self, upload: SharedUpload,
+                                parts: builtins.list[PartRecord]) -> bool:
+        raise NotImplementedError
+
+    def _abort_shared_upload(self, upload: SharedUpload) -> None:
+        raise NotImplementedError
 
     # capabilities: what a store can do beyond the interface above --------------------------
 

@@ -24,7 +24,9 @@ from chkq.stores.base import (
     CheckpointStore,
     ObjectChecksums,
     ObjectVersion,
+    PartRecord,
     PartsUpload,
+    SharedUpload,
     StrayUpload,
     TransientStoreError,
 )
@@ -37,11 +39,14 @@ OPERATIONS = frozenset({"put", "put_if_absent", "get", "get_at_most", "exists", 
                         "delete", "modified", "available", "version", "versions",
                         "get_range_pinned", "checksums",
                         "upload", "upload_write", "upload_complete", "upload_abort",
-                        "stray_uploads", "abort_upload"})
+                        "stray_uploads", "abort_upload",
+                        "shared_begin", "shared_part", "shared_complete", "shared_abort"})
 """Names of the operations a rule can match (``list``, ``versions`` and ``stray_uploads``
 match on their prefix). An upload from parts goes to the inner store's own
 :meth:`upload`: ``upload`` starts it, each write or copy is an ``upload_write``, then
-``upload_complete`` or ``upload_abort``, all matched on the upload's key."""
+``upload_complete`` or ``upload_abort``, all matched on the upload's key. A shared upload
+is ``shared_begin``, a ``shared_part`` for each part put or copied, ``shared_complete`` or
+``shared_abort``, matched on its key too."""
 
 Action = Literal["fail", "lose", "delay", "call"]
 KeyMatch = str | Callable[[str], bool]
@@ -257,6 +262,34 @@ class FaultyStore(CheckpointStore):
 
     def _abort_upload(self, stray: StrayUpload) -> None:
         self._run("abort_upload", stray.key, lambda: self.inner.abort_upload(stray))
+
+    @property
+    def supports_shared_uploads(self) -> bool:
+        return self.inner.supports_shared_uploads
+
+    def _begin_shared_upload(self, key: str) -> SharedUpload:
+        return self._run("shared_begin", key, lambda: self.inner.begin_shared_upload(key))
+
+    def _put_part(self, upload: SharedUpload, number: int, data: bytes,
+                  offset: int) -> PartRecord:
+        return self._run("shared_part", upload.key,
+                         lambda: self.inner.put_part(upload, number, data, offset))
+
+    def _copy_part(self, upload: SharedUpload, number: int, source_key: str,
+                   pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
+        return self._run("shared_part", upload.key, lambda: self.inner.copy_part(
+            upload, number, source_key, pinned, start, length, offset))
+
+    def _complete_shared_upload(self, upload: SharedUpload,
+                                parts: builtins.list[PartRecord]) -> bool:
+        return self._run("shared_complete", upload.key,
+                         lambda: self.inner.complete_shared_upload(upload, parts))
+
+    def _abort_shared_upload(self, upload: SharedUpload) -> None:
+        self._run("shared_abort", upload.key, lambda: self.inner.abort_shared_upload(upload))
+
+    def shared_upload_checksums(self, parts: builtins.list[PartRecord]) -> ObjectChecksums:
+        return self.inner.shared_upload_checksums(parts)
 
 
 class _FaultyUpload(PartsUpload):

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import logging
 import os
+import re
+import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from chkq.errors import (
+    BadMessageError,
     BadNameError,
+    CheckpointChangedError,
     StoredBytesMismatchError,
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
@@ -45,6 +50,7 @@ from chkq.stores.local_files import (
     stamp_of,
 )
 from chkq.stores.local_tree import StoreTree
+from chkq.stores.shared_upload import PIN_READ, PartRecord, SharedUpload, validate_parts
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
@@ -384,6 +390,163 @@ class LocalDirectoryStore(CheckpointStore):
                     os.unlink(name, dir_fd=fd)
         finally:
             os.close(fd)
+
+    # shared uploads ------------------------------------------------------------------
+
+    @property
+    def supports_shared_uploads(self) -> bool:
+        return True
+
+    def _begin_shared_upload(self, key: str) -> SharedUpload:
+        """A file in a new private directory ``.chkq-tmp-ID`` (mode 0700) at the root.
+
+        Every writer of the upload must run as this user (the directory is
+        checked to be theirs alone) on a filesystem that reaches the store.
+        """
+        self._tree.parts(key)
+        root = self._tree.open_root(create=True)
+        assert root is not None
+        try:
+            temp = PrivateFile(self.url, root, named=True)
+        finally:
+            os.close(root)
+        temp.detach()
+        return SharedUpload(key, temp.dir_name[len(PRIVATE_PREFIX):], secrets.token_hex(16))
+
+    @contextlib.contextmanager
+    def _shared_file(self, upload: SharedUpload) -> Iterator[PrivateFile]:
+        """The upload's file, open (left in place afterwards unless the caller closes it)."""
+        if not re.fullmatch(r"[0-9a-f]{32}", upload.upload_id):
+            raise BadMessageError(f"store {self.url}: {upload.upload_id!r} is no shared "
+                                  "upload of a local directory (32 hex digits)")
+        root = self._tree.open_root(create=False)
+        found = None
+        try:
+            if root is not None:
+                found = PrivateFile.resume(self.url, root, PRIVATE_PREFIX + upload.upload_id)
+        finally:
+            if root is not None:
+                os.close(root)
+        if found is None:
+            raise KeyError(f"store {self.url}: no shared upload {upload.upload_id} of "
+                           f"{upload.key} (completed or aborted)")
+        try:
+            yield found
+        finally:
+            found.detach()
+
+    @staticmethod
+    def _sha256_of(fd: int, start: int, length: int) -> str:
+        digest, end = hashlib.sha256(), start + length
+        while start < end:
+            piece = os.pread(fd, min(PIN_READ, end - start), start)
+            if not piece:
+                break
+            digest.update(piece)
+            start += len(piece)
+        return digest.hexdigest()
+
+    def _put_part(self, upload: SharedUpload, number: int, data: bytes,
+                  offset: int) -> PartRecord:
+        with self._shared_file(upload) as temp:
+            view, at = memoryview(data), offset
+            while view:
+                written = os.pwrite(temp.fd, view, at)
+                view, at = view[written:], at + written
+            os.fsync(temp.fd)
+        return PartRecord(number, len(data), offset, "", hashlib.sha256(data).hexdigest())
+
+    def _copy_part(self, upload: SharedUpload, number: int, source_key: str,
+                   pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
+        """``copy_file_range`` from the source file, its version checked before and after."""
+        changed = CheckpointChangedError(
+            f"store {self.url}: {source_key} changed since it was pinned (replaced, "
+            f"rewritten or deleted): part {number} of {upload.key} was not copied from it")
+        with self._shared_file(upload) as temp, \
+                self._tree.parent(source_key, create=False) as (parent, name):
+            if parent is None:
+                raise changed
+            try:
+                source = os.open(name, READ_FLAGS, dir_fd=parent)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise changed from None
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self._tree.refuse_link(source_key) from None
+                raise
+            try:
+                before = os.fstat(source)
+                if not stat.S_ISREG(before.st_mode) or self._stamp(before) != pinned:
+                    raise changed
+                self._copy_range(source, temp.fd, start, length, offset, changed)
+                if self._stamp(os.fstat(source)) != pinned:
+                    raise changed
+            finally:
+                os.close(source)
+            os.fsync(temp.fd)
+            checksum = self._sha256_of(temp.fd, offset, length)
+        return PartRecord(number, length, offset, "", checksum)
+
+    @staticmethod
+    def _copy_range(source: int, target: int, start: int, length: int, offset: int,
+                    changed: Exception) -> None:
+        done = 0
+        while done < length:
+            try:
+                copied = os.copy_file_range(source, target, length - done, start + done,
+                                            offset + done)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
+                                     errno.EOPNOTSUPP):
+                    raise
+                piece = os.pread(source, min(PIN_READ, length - done), start + done)
+                copied = len(piece)
+                view = memoryview(piece)
+                at = offset + done
+                while view:
+                    written = os.pwrite(target, view, at)
+                    view, at = view[written:], at + written
+            if copied == 0:
+                raise changed  # the source is shorter than its pinned size
+            done += copied
+
+    def _complete_shared_upload(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
+        """Each part's SHA-256 checked, the file fsynced and linked into place, create-if-absent.
+
+        A completion asked again after one that linked the file and stopped
+        before removing its directory finds the object to be the file itself:
+        True.
+        """
+        size = validate_parts(upload, parts)
+        self._tree.parts(upload.key)
+        with self._shared_file(upload) as temp:
+            for part in parts:
+                if self._sha256_of(temp.fd, part.offset, part.size) != part.checksum:
+                    raise StoredBytesMismatchError(
+                        f"store {self.url}: part {part.number} of {upload.key} ({part.size} "
+                        f"bytes at {part.offset}) is not the bytes its record says (SHA-256 "
+                        f"{part.checksum}): it was never put, or put again with other bytes")
+            if os.fstat(temp.fd).st_size != size:
+                os.ftruncate(temp.fd, size)
+            os.fsync(temp.fd)
+            with self._tree.parent(upload.key, create=True) as (parent, name):
+                assert parent is not None
+                created = temp.link(parent, name, upload.key)
+                if not created:
+                    found, mine = self._tree.lstat(parent, name), os.fstat(temp.fd)
+                    created = found is not None and (found.st_dev, found.st_ino) == (
+                        mine.st_dev, mine.st_ino)
+                else:
+                    self._check_linked(parent, name, temp.fd, upload.key)
+                os.fsync(parent)
+            temp.close()
+        return created
+
+    def _abort_shared_upload(self, upload: SharedUpload) -> None:
+        if not re.fullmatch(r"[0-9a-f]{32}", upload.upload_id):
+            raise BadMessageError(f"store {self.url}: {upload.upload_id!r} is no shared "
+                                  "upload of a local directory (32 hex digits)")
+        self._abort_upload(StrayUpload("", PRIVATE_PREFIX + upload.upload_id, 0.0))
 
 
 class _LocalUpload(PartsUpload):

@@ -159,6 +159,53 @@ class PrivateFile:
             self.close()
             raise
 
+    @classmethod
+    def resume(cls, url: str, root: int, name: str) -> PrivateFile | None:
+        """The file of the private directory ``name`` at ``root``, made by another process of
+        this user's (a shared upload's), open to read and write; None if it is gone.
+
+        Raises
+        ------
+        SymlinkInStoreError
+            If ``name`` is a link, or a directory that is not this user's alone.
+        """
+        self = cls.__new__(cls)
+        self.url, self.fd, self._root, self._dir, self.dir_name = url, -1, -1, -1, name
+        try:
+            self._dir = os.open(name, DIR_FLAGS, dir_fd=root)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SymlinkInStoreError(
+                    f"store {url}: the private directory {name!r} is a symbolic link") from None
+            raise
+        try:
+            found = os.fstat(self._dir)
+            if found.st_uid != os.geteuid() or stat.S_IMODE(found.st_mode) & 0o077:
+                raise SymlinkInStoreError(
+                    f"store {url}: the private directory {name!r} is not this user's alone; "
+                    "nothing is written through it")
+            self._root = os.dup(root)
+            try:
+                self.fd = os.open("data", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  dir_fd=self._dir)
+            except FileNotFoundError:
+                self.detach()
+                return None
+        except BaseException:
+            self.detach()
+            raise
+        return self
+
+    def detach(self) -> None:
+        """Close the file and leave it where it is (another process goes on with it)."""
+        for name in ("fd", "_dir", "_root"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                os.close(fd)
+                setattr(self, name, -1)
+
     def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:

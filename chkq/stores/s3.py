@@ -36,7 +36,9 @@ from chkq.stores.s3_upload import (  # noqa: F401 (the part limits re-exported)
     MIN_PART,
     PARTS_IN_FLIGHT,
     MultipartUpload,
+    SharedMultipart,
 )
+from chkq.stores.shared_upload import PartRecord, SharedUpload
 from chkq.stores.uploads import PartsUpload
 
 __all__ = ["S3Store"]
@@ -478,3 +480,35 @@ class S3Store(BucketStore):
                     raise
 
         self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
+
+    # shared uploads --------------------------------------------------------------------
+
+    @property
+    def supports_shared_uploads(self) -> bool:
+        return True
+
+    @property
+    def _shared(self) -> SharedMultipart:
+        return SharedMultipart(self, client=self._client, completer=self._completer,
+                               prefix=self._prefix, metadata=self._metadata, head=self._head)
+
+    def _begin_shared_upload(self, key: str) -> SharedUpload:
+        return self._shared.begin(key)
+
+    def _put_part(self, upload: SharedUpload, number: int, data: bytes,
+                  offset: int) -> PartRecord:
+        return self._shared.put(upload, number, data, offset)
+
+    def _copy_part(self, upload: SharedUpload, number: int, source_key: str,
+                   pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
+        return self._shared.copy(upload, number, source_key, pinned, start, length, offset)
+
+    def _complete_shared_upload(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
+        return self._shared.complete(upload, parts)
+
+    def _abort_shared_upload(self, upload: SharedUpload) -> None:
+        self._shared.abort(upload)
+
+    def shared_upload_checksums(self, parts: list[PartRecord]) -> ObjectChecksums:
+        """The size and composite SHA-256 of the parts' checksums (S3's, base64)."""
+        return self._shared.checksums(parts)

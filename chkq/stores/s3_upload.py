@@ -6,6 +6,10 @@ store says what became of it. The upload is given the S3 store's clients, key
 prefix and metadata read-back when it is made, and knows the store itself only
 as a :class:`~chkq.stores.bucket.BucketStore` (its retry layer and timeouts),
 so that this module does not import :mod:`chkq.stores.s3`, which makes it.
+
+A shared upload (:class:`SharedMultipart`, parts sent by many processes) sends
+its parts and settles its completion with the same functions
+(:func:`send_part`, :func:`settle_completion`).
 """
 
 
@@ -28,18 +32,27 @@ from botocore.exceptions import (
 )
 
 from chkq.backoff import Backoff
-from chkq.errors import StoredBytesMismatchError, TransientStoreError
+from chkq.errors import CheckpointChangedError, StoredBytesMismatchError, TransientStoreError
 from chkq.stores.bucket import WRITE_ID_METADATA, BucketStore
-from chkq.stores.objects import StrayUpload
+from chkq.stores.objects import ObjectChecksums, ObjectVersion, StrayUpload
 from chkq.stores.s3_errors import (
     BAD_DIGEST_CODES,
     NOT_SENT,
     code_and_status,
+    is_not_found,
     is_precondition_failed,
+)
+from chkq.stores.shared_upload import (
+    PIN_READ,
+    PartRecord,
+    SharedUpload,
+    composite_sha256,
+    validate_parts,
 )
 from chkq.stores.uploads import PartsUpload
 
-__all__ = ["COMPLETE_BACKOFF", "MAX_COPY_PART", "MIN_PART", "PARTS_IN_FLIGHT", "MultipartUpload"]
+__all__ = ["COMPLETE_BACKOFF", "MAX_COPY_PART", "MIN_PART", "PARTS_IN_FLIGHT", "MultipartUpload",
+           "SharedMultipart", "send_part", "settle_completion"]
 
 MIN_PART = 5 << 20
 """S3's smallest part but for the last."""
@@ -179,33 +192,12 @@ class MultipartUpload(PartsUpload):
         self._parts.sort(key=lambda part: int(part["PartNumber"]))
 
     def _send_part(self, number: int, piece: bytes, sha256: bytes | None) -> dict[str, Any]:
-        store = self.store
-        extra: dict[str, str] = {}
+        checksum = None
         if self._checksum:
-            sent = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
-            extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": sent}
-        try:
-            answer = store._retry(
-                lambda: self._client.upload_part(
-                    Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                    PartNumber=number, Body=piece, **extra),
-                f"upload part {number} of {self.key}")
-        except ClientError as exc:
-            if extra and code_and_status(exc)[0] in BAD_DIGEST_CODES:
-                raise StoredBytesMismatchError(
-                    f"store {store.url}: part {number} of {self.key}: the store received "
-                    f"bytes whose SHA-256 is not the {extra['ChecksumSHA256']} sent "
-                    f"({code_and_status(exc)[0]})") from exc
-            raise
-        part = {"ETag": answer["ETag"], "PartNumber": number}
-        if extra:
-            received = answer.get("ChecksumSHA256")
-            if received is not None and received != extra["ChecksumSHA256"]:
-                raise StoredBytesMismatchError(
-                    f"store {store.url}: part {number} of {self.key}: the store received "
-                    f"bytes with SHA-256 {received}, not the {extra['ChecksumSHA256']} sent")
-            part["ChecksumSHA256"] = extra["ChecksumSHA256"]
-        return part
+            checksum = _b64(sha256 if sha256 is not None else hashlib.sha256(piece).digest())
+        return send_part(self.store, self._client, name=self._name, key=self.key,
+                         upload_id=self.upload_id, number=number, piece=piece,
+                         checksum=checksum)
 
     def _write(self, data: bytes) -> None:
         self._buffer += data
@@ -271,64 +263,230 @@ class MultipartUpload(PartsUpload):
             names the write id an object that still appears would carry.
         """
         self._flush(final=True)
-        store = self.store
         if self._next_part == 1:
             self._send(b"")
         self._sent()
-        start = time.monotonic()
-        reached = False
-        last = ""
-        for tried in itertools.count():
-            delay = COMPLETE_BACKOFF.wait(tried)
-            try:
-                outcome = self._complete_once()
-            except Exception as exc:
-                if not store._is_transient(exc):
-                    raise
-                outcome, last = None, " ".join(str(exc).split())
-                reached = reached or not isinstance(exc, NOT_SENT)
-            if outcome is not None:
-                return outcome
-            # A completion that never reached the store cannot land later: the usual budget.
-            patience = 2 * store.timeouts.complete if reached else store.timeouts.budget
-            if time.monotonic() + delay > start + patience:
-                break
-            time.sleep(delay)
-        with contextlib.suppress(Exception):
-            store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))
-        with contextlib.suppress(Exception):
-            if self._is_ours() is True:
-                return True
-        raise TransientStoreError(
-            f"store {store.url}: the completion of the upload of {self.key} had no outcome in "
-            f"{time.monotonic() - start:.0f} s (last: {last or 'nothing at the key yet'}); "
-            f"the upload was aborted. An object that still appears at {self.key} with metadata "
-            f"{WRITE_ID_METADATA}={self._write_id} is this upload's")
-
-    def _complete_once(self) -> bool | None:
-        """One completion request: True (ours), False (another's object), None (not settled)."""
-        store = self.store
-        try:
-            self._completer.complete_multipart_upload(
-                Bucket=store.bucket, Key=self._name, UploadId=self.upload_id,
-                MultipartUpload={"Parts": self._parts}, IfNoneMatch="*")
-        except ClientError as exc:
-            code, status = code_and_status(exc)
-            if is_precondition_failed(exc) or code == "NoSuchUpload":
-                return self._is_ours()
-            if code == "ConditionalRequestConflict" or status == 409:
-                return None
-            raise
-        return True
-
-    def _is_ours(self) -> bool | None:
-        """Whether the object at the key carries this upload's write id (None: no object)."""
-        metadata = self._metadata(self._name)
-        if metadata is None:
-            return None
-        return metadata.get(WRITE_ID_METADATA) == self._write_id
+        return settle_completion(self.store, self._completer, self._metadata, name=self._name,
+                                 key=self.key, upload_id=self.upload_id,
+                                 write_id=self._write_id, parts=self._parts)
 
     def _abort(self) -> None:
         with contextlib.suppress(Exception):
             self._sent()
         self.store._abort_upload(StrayUpload(self.key, self.upload_id, 0.0))
+
+
+def send_part(store: BucketStore, client: Any, *, name: str, key: str, upload_id: str,
+              number: int, piece: bytes, checksum: str | None) -> dict[str, Any]:
+    """``UploadPart`` of ``piece`` as part ``number``; its entry of the completion's part list.
+
+    With ``checksum`` (the part's SHA-256, base64) S3 checks the bytes it
+    received against it, and the digest it answers must be it.
+
+    Raises
+    ------
+    StoredBytesMismatchError
+        If the store received other bytes than those sent.
+    """
+    extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": checksum} if checksum else {}
+    try:
+        answer = store._retry(
+            lambda: client.upload_part(
+                Bucket=store.bucket, Key=name, UploadId=upload_id,
+                PartNumber=number, Body=piece, **extra),
+            f"upload part {number} of {key}")
+    except ClientError as exc:
+        if extra and code_and_status(exc)[0] in BAD_DIGEST_CODES:
+            raise StoredBytesMismatchError(
+                f"store {store.url}: part {number} of {key}: the store received "
+                f"bytes whose SHA-256 is not the {checksum} sent "
+                f"({code_and_status(exc)[0]})") from exc
+        raise
+    part = {"ETag": answer["ETag"], "PartNumber": number}
+    if checksum:
+        received = answer.get("ChecksumSHA256")
+        if received is not None and received != checksum:
+            raise StoredBytesMismatchError(
+                f"store {store.url}: part {number} of {key}: the store received "
+                f"bytes with SHA-256 {received}, not the {checksum} sent")
+        part["ChecksumSHA256"] = checksum
+    return part
+
+
+def settle_completion(store: BucketStore, completer: Any,
+                      metadata: Callable[[str], dict[str, str] | None], *, name: str,
+                      key: str, upload_id: str, write_id: str,
+                      parts: list[dict[str, Any]]) -> bool:
+    """Complete an upload and settle what became of it: ours, another's, or nothing.
+
+    The request waits up to ``timeouts.complete`` for its answer (S3
+    assembles a large object for a long time). An answer lost or
+    refused for a transient cause (a timeout, a cut connection, 5xx) is
+    no outcome: the completion is asked again, for up to twice that
+    long, until the store says (completed; 412 or NoSuchUpload with
+    the upload's write id on the object, or another's). Only then, or
+    when that time is spent, does the caller abort it, so a first
+    completion still being assembled is never taken for a failure.
+
+    Returns
+    -------
+    bool
+        True if the object at the key is the upload's, False if another's.
+
+    Raises
+    ------
+    TransientStoreError
+        If the store never told: the upload is aborted, and the error
+        names the write id an object that still appears would carry.
+    """
+    start = time.monotonic()
+    reached = False
+    last = ""
+
+    def is_ours() -> bool | None:
+        found = metadata(name)
+        return None if found is None else found.get(WRITE_ID_METADATA) == write_id
+
+    def once() -> bool | None:
+        try:
+            completer.complete_multipart_upload(
+                Bucket=store.bucket, Key=name, UploadId=upload_id,
+                MultipartUpload={"Parts": parts}, IfNoneMatch="*")
+        except ClientError as exc:
+            code, status = code_and_status(exc)
+            if is_precondition_failed(exc) or code == "NoSuchUpload":
+                return is_ours()
+            if code == "ConditionalRequestConflict" or status == 409:
+                return None
+            raise
+        return True
+
+    for tried in itertools.count():
+        delay = COMPLETE_BACKOFF.wait(tried)
+        try:
+            outcome = once()
+        except Exception as exc:
+            if not store._is_transient(exc):
+                raise
+            outcome, last = None, " ".join(str(exc).split())
+            reached = reached or not isinstance(exc, NOT_SENT)
+        if outcome is not None:
+            return outcome
+        # A completion that never reached the store cannot land later: the usual budget.
+        patience = 2 * store.timeouts.complete if reached else store.timeouts.budget
+        if time.monotonic() + delay > start + patience:
+            break
+        time.sleep(delay)
+    with contextlib.suppress(Exception):
+        store._abort_upload(StrayUpload(key, upload_id, 0.0))
+    with contextlib.suppress(Exception):
+        if is_ours() is True:
+            return True
+    raise TransientStoreError(
+        f"store {store.url}: the completion of the upload of {key} had no outcome in "
+        f"{time.monotonic() - start:.0f} s (last: {last or 'nothing at the key yet'}); "
+        f"the upload was aborted. An object that still appears at {key} with metadata "
+        f"{WRITE_ID_METADATA}={write_id} is this upload's")
+
+
+class SharedMultipart:
+    """The S3 store's shared uploads: a multipart upload whose parts any process sends.
+
+    Begun with ``ChecksumAlgorithm=SHA256`` and the token's write id in the
+    object's metadata; each part goes with its SHA-256; a copied range goes
+    server-side with ``CopySourceIfMatch``, and the source's ETag is checked
+    again after the copy (for S3-compatible stores that ignore the condition);
+    where the copy's answer has no SHA-256 (moto) the range is read pinned to
+    compute it. The completion is :func:`settle_completion`'s, as an upload's.
+    """
+
+    def __init__(self, store: BucketStore, *, client: Any, completer: Any, prefix: str,
+                 metadata: Callable[[str], dict[str, str] | None],
+                 head: Callable[[str], dict[str, Any] | None]) -> None:
+        self.store = store
+        self._client = client
+        self._completer = completer
+        self._prefix = prefix
+        self._metadata = metadata
+        self._head = head
+
+    def begin(self, key: str) -> SharedUpload:
+        store, write_id = self.store, uuid.uuid4().hex
+        answer = store._retry(
+            lambda: self._client.create_multipart_upload(
+                Bucket=store.bucket, Key=self._prefix + key, ChecksumAlgorithm="SHA256",
+                Metadata={WRITE_ID_METADATA: write_id}),
+            f"start shared upload of {key}")
+        return SharedUpload(key, str(answer["UploadId"]), write_id)
+
+    def put(self, upload: SharedUpload, number: int, data: bytes, offset: int) -> PartRecord:
+        checksum = _b64(hashlib.sha256(data).digest())
+        part = send_part(self.store, self._client, name=self._prefix + upload.key,
+                         key=upload.key, upload_id=upload.upload_id, number=number,
+                         piece=data, checksum=checksum)
+        return PartRecord(number, len(data), offset, str(part["ETag"]), checksum)
+
+    def copy(self, upload: SharedUpload, number: int, source: str, pinned: ObjectVersion,
+             start: int, length: int, offset: int) -> PartRecord:
+        store = self.store
+        etag = pinned.version.removeprefix("etag:")
+
+        def changed() -> CheckpointChangedError:
+            return CheckpointChangedError(
+                f"store {store.url}: {source} changed since it was pinned (replaced or "
+                f"deleted): part {number} of {upload.key} was not copied from it")
+
+        def attempt() -> dict[str, Any] | None:
+            try:
+                answer = self._client.upload_part_copy(
+                    Bucket=store.bucket, Key=self._prefix + upload.key,
+                    UploadId=upload.upload_id, PartNumber=number,
+                    CopySource={"Bucket": store.bucket, "Key": self._prefix + source},
+                    CopySourceRange=f"bytes={start}-{start + length - 1}",
+                    CopySourceIfMatch=etag)
+            except ClientError as exc:
+                if is_precondition_failed(exc) or is_not_found(exc) \
+                        or code_and_status(exc)[0] in ("NoSuchKey", "InvalidRange"):
+                    return None
+                raise
+            return dict(answer["CopyPartResult"])
+
+        result = store._retry(attempt, f"copy part {number} of {upload.key} from {source}")
+        current = self._head(source)
+        if result is None or current is None or f"etag:{current['ETag']}" != pinned.version:
+            raise changed()
+        checksum = result.get("ChecksumSHA256")
+        if not checksum:
+            digest = hashlib.sha256()
+            for at in range(start, start + length, PIN_READ):
+                piece = store.get_range_pinned(source, pinned, at,
+                                               min(PIN_READ, start + length - at))
+                if not piece:
+                    raise changed()
+                digest.update(piece)
+            checksum = _b64(digest.digest())
+        return PartRecord(number, length, offset, str(result["ETag"]), str(checksum))
+
+    def complete(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
+        validate_parts(upload, parts, min_part=MIN_PART)
+        for part in parts:
+            if not part.checksum:
+                raise ValueError(f"store {self.store.url}: part {part.number} of {upload.key} "
+                                 "has no SHA-256: it is no part of this store's")
+        entries = [{"ETag": part.etag, "PartNumber": part.number,
+                    "ChecksumSHA256": part.checksum} for part in parts]
+        created = settle_completion(self.store, self._completer, self._metadata,
+                                    name=self._prefix + upload.key, key=upload.key,
+                                    upload_id=upload.upload_id, write_id=upload.write_id,
+                                    parts=entries)
+        if not created:
+            self.abort(upload)
+        return created
+
+    def abort(self, upload: SharedUpload) -> None:
+        self.store._abort_upload(StrayUpload(upload.key, upload.upload_id, 0.0))
+
+    @staticmethod
+    def checksums(parts: list[PartRecord]) -> ObjectChecksums:
+        return ObjectChecksums(size=sum(part.size for part in parts),
+                               sha256=composite_sha256(parts), sha256_parts=len(parts))

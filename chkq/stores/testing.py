@@ -24,6 +24,7 @@ from tests (pytest is in chkq's ``test`` extra).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import random
 import threading
@@ -31,7 +32,9 @@ import time
 
 import pytest
 
+from chkq.errors import BadMessageError, CheckpointChangedError
 from chkq.stores.base import CheckpointStore, InvalidKeyError, ObjectVersion
+from chkq.stores.shared_upload import PartRecord, SharedUpload, checksums_match
 from chkq.stores.url import open_store
 
 __all__ = ["BAD_KEYS", "StoreTests"]
@@ -52,6 +55,8 @@ class StoreTests:
     """Bytes of the object in :meth:`test_large_object_round_trip`."""
     racers: int = 4
     """Threads racing in :meth:`test_put_if_absent_one_winner_among_racing_handles`."""
+    shared_part_size: int = 5 << 20
+    """Bytes of a shared upload's parts but the last (S3's smallest)."""
 
     @pytest.fixture
     def store(self) -> CheckpointStore:
@@ -312,6 +317,160 @@ class StoreTests:
             store.checksums("missing/obj")
         with pytest.raises(ValueError, match="part size"):
             store.upload_part_size(0)
+
+    # shared uploads: parts from many writers -----------------------------------------
+
+    def _shared(self, store: CheckpointStore) -> None:
+        if not store.supports_shared_uploads:
+            pytest.skip(f"{store.url} has no shared uploads")
+
+    def test_shared_upload_assembles_parts_from_other_handles(
+            self, store: CheckpointStore) -> None:
+        self._shared(store)
+        size = self.shared_part_size
+        source = random.Random(5).randbytes(size + 1000)
+        built = random.Random(6).randbytes(size)
+        store.put("src/a", source)
+        pinned = store.version("src/a")
+        upload = store.begin_shared_upload("out/obj")
+        token = upload.to_record()
+        assert SharedUpload.from_record(token) == upload
+        first, second = self.reopen(store), self.reopen(store)
+        records = [
+            first.copy_part(SharedUpload.from_record(token), 1, "src/a", pinned, 1000, size,
+                            0).to_record(),
+            second.put_part(SharedUpload.from_record(token), 3, b"tail", 2 * size).to_record(),
+            second.put_part(SharedUpload.from_record(token), 2, built, size).to_record(),
+        ]
+        parts = sorted((PartRecord.from_record(r) for r in records), key=lambda p: p.number)
+        assert [(p.number, p.offset, p.size) for p in parts] == [
+            (1, 0, size), (2, size, size), (3, 2 * size, 4)]
+        assert not store.exists("out/obj"), "nothing visible before completion"
+        assert store.list("out/") == []
+        with pytest.raises(ValueError, match="starts at"):
+            store.complete_shared_upload(upload, [parts[1], parts[0], parts[2]])
+        swapped = [dataclasses.replace(parts[0], number=2),
+                   dataclasses.replace(parts[1], number=1), parts[2]]
+        with pytest.raises(ValueError, match="number order"):
+            store.complete_shared_upload(upload, swapped)
+        with pytest.raises(ValueError, match="starts at"):
+            store.complete_shared_upload(upload, [parts[0], parts[2]])
+        with pytest.raises(ValueError, match="no parts"):
+            store.complete_shared_upload(upload, [])
+        assert self.reopen(store).complete_shared_upload(upload, parts) is True
+        expected = source[1000 : 1000 + size] + built + b"tail"
+        assert store.get("out/obj") == expected
+        assert store.list() == ["out/obj", "src/a"]
+        assert store.stray_uploads() == []
+        proof = store.shared_upload_checksums(parts)
+        assert proof.size == len(expected)
+        assert checksums_match(store.checksums("out/obj"), proof), (
+            store.checksums("out/obj"), proof)
+        assert not checksums_match(store.checksums("src/a"), proof)
+
+    def test_shared_upload_part_put_twice_and_an_existing_key(
+            self, store: CheckpointStore) -> None:
+        self._shared(store)
+        upload = store.begin_shared_upload("out/obj")
+        store.put_part(upload, 1, b"redelivered", 0)
+        again = self.reopen(store).put_part(upload, 1, b"redelivered", 0)
+        assert store.complete_shared_upload(upload, [again]) is True
+        assert store.get("out/obj") == b"redelivered"
+        other = store.begin_shared_upload("out/obj")
+        part = store.put_part(other, 1, b"second", 0)
+        assert store.complete_shared_upload(other, [part]) is False
+        assert store.get("out/obj") == b"redelivered", "an object is never replaced"
+        assert store.stray_uploads() == [], "the refused upload left nothing"
+        store.abort_shared_upload(other)
+
+    def test_shared_upload_aborted_leaves_nothing(self, store: CheckpointStore) -> None:
+        self._shared(store)
+        upload = store.begin_shared_upload("out/obj")
+        assert len(store.stray_uploads()) == 1, "listed before any part"
+        store.put_part(upload, 1, b"x" * 100, 0)
+        strays = store.stray_uploads()
+        assert len(strays) == 1 and strays[0].key in ("", "out/obj")
+        self.reopen(store).abort_shared_upload(upload)
+        assert store.stray_uploads() == []
+        store.abort_shared_upload(upload)
+        assert store.list() == []
+        left = store.begin_shared_upload("out/other")
+        store.put_part(left, 1, b"y", 0)
+        for stray in store.stray_uploads():  # as chkq gc does
+            store.abort_upload(stray)
+        assert store.stray_uploads() == []
+        assert store.list() == []
+
+    def test_shared_copy_part_refuses_a_changed_source(self, store: CheckpointStore) -> None:
+        self._shared(store)
+        store.put("src/a", b"a" * 3000)
+        pinned = store.version("src/a")
+        upload = store.begin_shared_upload("out/obj")
+        assert store.copy_part(upload, 1, "src/a", pinned, 10, 100, 0).size == 100
+        store.put("src/a", b"b" * 3000)
+        with pytest.raises(CheckpointChangedError, match="src/a"):
+            store.copy_part(upload, 1, "src/a", pinned, 10, 100, 0)
+        current = store.version("src/a")
+        store.delete("src/a")
+        with pytest.raises(CheckpointChangedError, match="src/a"):
+            store.copy_part(upload, 1, "src/a", current, 0, 100, 0)
+        store.abort_shared_upload(upload)
+        assert store.stray_uploads() == []
+
+    def test_shared_upload_refuses_bad_parts(self, store: CheckpointStore) -> None:
+        self._shared(store)
+        store.put("src", b"0123456789")
+        pinned = store.version("src")
+        upload = store.begin_shared_upload("out/obj")
+        for number in (0, 10_001, -1):
+            with pytest.raises(ValueError, match="part number"):
+                store.put_part(upload, number, b"x", 0)
+        with pytest.raises(ValueError, match="negative"):
+            store.put_part(upload, 1, b"x", -5)
+        with pytest.raises(ValueError, match="within"):
+            store.copy_part(upload, 1, "src", pinned, 5, 6, 0)
+        with pytest.raises(ValueError, match="within"):
+            store.copy_part(upload, 1, "src", pinned, 0, 0, 0)
+        huge = ObjectVersion(6 << 30, pinned.version)
+        with pytest.raises(ValueError, match="more than"):
+            store.copy_part(upload, 1, "src", huge, 0, (5 << 30) + 1, 0)
+        part = store.put_part(upload, 1, b"x", 0)
+        with pytest.raises(ValueError, match="starts at"):
+            store.complete_shared_upload(upload, [PartRecord(1, 1, 3, part.etag, part.checksum)])
+        assert store.complete_shared_upload(upload, [part]) is True
+        assert store.get("out/obj") == b"x"
+
+    @pytest.mark.parametrize("record", [
+        None, [], "token", {"key": "k", "upload_id": "u"},
+        {"key": "k", "upload_id": "u", "write_id": "0" * 32, "extra": 1},
+        {"key": 1, "upload_id": "u", "write_id": "0" * 32},
+        {"key": "k", "upload_id": ["u"], "write_id": "0" * 32},
+        {"key": "../k", "upload_id": "u", "write_id": "0" * 32},
+        {"key": "k", "upload_id": "abc/..", "write_id": "0" * 32},
+        {"key": "k", "upload_id": "a..b", "write_id": "0" * 32},
+        {"key": "k", "upload_id": "", "write_id": "0" * 32},
+        {"key": "k", "upload_id": "u\n", "write_id": "0" * 32},
+        {"key": "k", "upload_id": "u", "write_id": "not hex"},
+    ], ids=repr)
+    def test_shared_upload_record_refuses_hostile_input(self, record: object) -> None:
+        with pytest.raises(BadMessageError):
+            SharedUpload.from_record(record)
+
+    @pytest.mark.parametrize("record", [
+        None, {"number": 1},
+        {"number": True, "size": 1, "offset": 0, "etag": "", "checksum": ""},
+        {"number": 1, "size": "1", "offset": 0, "etag": "", "checksum": ""},
+        {"number": 0, "size": 1, "offset": 0, "etag": "", "checksum": ""},
+        {"number": 10_001, "size": 1, "offset": 0, "etag": "", "checksum": ""},
+        {"number": 1, "size": -1, "offset": 0, "etag": "", "checksum": ""},
+        {"number": 1, "size": 1, "offset": -1, "etag": "", "checksum": ""},
+        {"number": 1, "size": 1, "offset": 0, "etag": "a b", "checksum": ""},
+        {"number": 1, "size": 1, "offset": 0, "etag": "", "checksum": "x" * 2000},
+        {"number": 1, "size": 1, "offset": 0, "etag": "", "checksum": "", "more": 0},
+    ], ids=repr)
+    def test_part_record_refuses_hostile_input(self, record: object) -> None:
+        with pytest.raises(BadMessageError):
+            PartRecord.from_record(record)
 
     # missing objects -------------------------------------------------------------------
 
