@@ -30,7 +30,6 @@ from typing import Any
 
 import h5py
 from celery import chord, group
-from chkq.stores.shared_upload import PartRecord, SharedUpload
 
 from chkq.config.celery_app import get_app, get_settings
 from chkq.consolidation.checkpoint_files import stored_chunks
@@ -62,6 +61,7 @@ from chkq.rundir import READ
 from chkq.staging import SourceObject, delete_sources
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
+from chkq.stores.shared_upload import PartRecord, SharedUpload
 from chkq.stores.url import open_store
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
 from chkq.tasks.canvas import fail_signature

@@ -212,7 +212,7 @@ def check_mirrors(run: Path, mirror: Path, stats: dict[str, MirrorStats],
         original, copy = (run / key).read_bytes(), (mirror / key).read_bytes()
         holes = raw_chunk_ranges(run / key, chunk_rows)
         assert stat == MirrorStats(len(original), len(original) - stat.skipped,
-                                   sum(b - a for a, b in holes))
+                                   sum(b - a for a, b in holes), stat.sha256)
         assert masked(original, holes) == copy
 
 

@@ -317,6 +317,16 @@ class CheckpointStore(ABC):
     # shared uploads: parts written by many processes -------------------------------------
 
     @property
+    def copies_ranges(self) -> bool:
+        """Whether :meth:`copy_part` copies in the store, no byte through the caller.
+
+        True for S3 (``UploadPartCopy``) and a local directory
+        (``copy_file_range``); GCS has no ranged copy, so its copied parts pass
+        through the caller, once.
+        """
+        return False
+
+    @property
     def supports_shared_uploads(self) -> bool:
         """Whether this store has :meth:`begin_shared_upload` and the methods after it."""
         return False

@@ -394,6 +394,10 @@ class LocalDirectoryStore(CheckpointStore):
     # shared uploads ------------------------------------------------------------------
 
     @property
+    def copies_ranges(self) -> bool:
+        return True
+
+    @property
     def supports_shared_uploads(self) -> bool:
         return True
 

@@ -95,9 +95,13 @@ class ObjectChecksums:
         How many parts the composite ``sha256`` is of, where the store says.
     crc32c
         GCS's CRC32C of the whole object (composed objects have one), or None.
+    etag
+        S3's ETag (no quotes): for an object uploaded in parts, the MD5 of
+        its parts' MD5 digests one after the other, ``-N``; or None.
     """
 
     size: int
     sha256: str | None = None
     sha256_parts: int | None = None
     crc32c: int | None = None
+    etag: str | None = None

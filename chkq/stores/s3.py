@@ -453,9 +453,11 @@ class S3Store(BucketStore):
         if isinstance(value, str) and "-" in value:
             value, _, count = value.partition("-")
             parts = int(count) if count.isdigit() else None
+        etag = head.get("ETag")
         return ObjectChecksums(size=int(head["ContentLength"]),
                                sha256=value if isinstance(value, str) and value else None,
-                               sha256_parts=parts)
+                               sha256_parts=parts,
+                               etag=etag.strip('"') if isinstance(etag, str) else None)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
         def attempt() -> list[StrayUpload]:
@@ -482,6 +484,10 @@ class S3Store(BucketStore):
         self._retry(attempt, f"abort upload {stray.upload_id} of {stray.key}")
 
     # shared uploads --------------------------------------------------------------------
+
+    @property
+    def copies_ranges(self) -> bool:
+        return True
 
     @property
     def supports_shared_uploads(self) -> bool:

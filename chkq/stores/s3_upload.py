@@ -43,10 +43,10 @@ from chkq.stores.s3_errors import (
     is_precondition_failed,
 )
 from chkq.stores.shared_upload import (
-    PIN_READ,
     PartRecord,
     SharedUpload,
     composite_sha256,
+    multipart_etag,
     validate_parts,
 )
 from chkq.stores.uploads import PartsUpload
@@ -455,26 +455,14 @@ class SharedMultipart:
         current = self._head(source)
         if result is None or current is None or f"etag:{current['ETag']}" != pinned.version:
             raise changed()
-        checksum = result.get("ChecksumSHA256")
-        if not checksum:
-            digest = hashlib.sha256()
-            for at in range(start, start + length, PIN_READ):
-                piece = store.get_range_pinned(source, pinned, at,
-                                               min(PIN_READ, start + length - at))
-                if not piece:
-                    raise changed()
-                digest.update(piece)
-            checksum = _b64(digest.digest())
-        return PartRecord(number, length, offset, str(result["ETag"]), str(checksum))
+        return PartRecord(number, length, offset, str(result["ETag"]),
+                          str(result.get("ChecksumSHA256") or ""))
 
     def complete(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
         validate_parts(upload, parts, min_part=MIN_PART)
-        for part in parts:
-            if not part.checksum:
-                raise ValueError(f"store {self.store.url}: part {part.number} of {upload.key} "
-                                 "has no SHA-256: it is no part of this store's")
         entries = [{"ETag": part.etag, "PartNumber": part.number,
-                    "ChecksumSHA256": part.checksum} for part in parts]
+                    **({"ChecksumSHA256": part.checksum} if part.checksum else {})}
+                   for part in parts]
         created = settle_completion(self.store, self._completer, self._metadata,
                                     name=self._prefix + upload.key, key=upload.key,
                                     upload_id=upload.upload_id, write_id=upload.write_id,
@@ -488,5 +476,10 @@ class SharedMultipart:
 
     @staticmethod
     def checksums(parts: list[PartRecord]) -> ObjectChecksums:
+        """What S3 must say of the object: its ETag from the parts' MD5s, and the composite
+        SHA-256 where every part has one (a copied part's is S3's own; moto gives none)."""
+        whole = all(part.checksum for part in parts)
         return ObjectChecksums(size=sum(part.size for part in parts),
-                               sha256=composite_sha256(parts), sha256_parts=len(parts))
+                               sha256=composite_sha256(parts) if whole else None,
+                               sha256_parts=len(parts) if whole else None,
+                               etag=multipart_etag(parts))

@@ -42,6 +42,7 @@ __all__ = [
     "checksums_match",
     "combined_crc32c",
     "composite_sha256",
+    "multipart_etag",
     "crc32c_combine",
     "validate_parts",
 ]
@@ -250,6 +251,16 @@ def validate_parts(upload: SharedUpload, parts: Sequence[PartRecord], *,
     return end
 
 
+def multipart_etag(parts: Sequence[PartRecord]) -> str:
+    """The ETag S3 gives an object completed from ``parts``: the MD5 of their MD5s, ``-N``.
+
+    Each part's ETag is the MD5 of its bytes, as S3 computed them (for a
+    copied part, of the range it copied).
+    """
+    digests = b"".join(bytes.fromhex(part.etag.strip('"')) for part in parts)
+    return f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
+
+
 def composite_sha256(parts: Sequence[PartRecord]) -> str:
     """S3's composite ``ChecksumSHA256`` of an object made of ``parts`` (base64, no ``-N``).
 
@@ -324,5 +335,7 @@ def checksums_match(found: ObjectChecksums, expected: ObjectChecksums) -> bool:
         return False
     if expected.sha256_parts is not None and found.sha256_parts not in (
             None, expected.sha256_parts):
+        return False
+    if expected.etag is not None and found.etag != expected.etag:
         return False
     return expected.crc32c is None or found.crc32c == expected.crc32c
