@@ -13,9 +13,9 @@ with each source's rows at the addresses the skeleton allocated: a sequence
 of source ranges and skeleton ranges, cut into the parts of one upload
 shared by every node (:mod:`chkq.stores.shared_upload`). A part that is one
 long source range is copied by the store itself (S3 ``UploadPartCopy``, a
-local store's ``copy_file_range``); any other part is built from pinned
-ranged reads by whichever node takes it, or by the staging worker where it
-holds skeleton bytes. ``chkq.assemble`` completes the upload create-if-absent
+local store's ``copy_file_range``); any other part is built by whichever
+node takes it, from pinned ranged reads and the skeleton's bytes, which the
+assembly record carries (metadata: about a thousandth of a large output). ``chkq.assemble`` completes the upload create-if-absent
 once every part is recorded, then proves the object from its metadata alone:
 its chunk index places every chunk where the plan put it, its structure is
 the template's, and the store's checksums are the parts'.
@@ -23,9 +23,13 @@ the template's, and the store's checksums are the parts'.
 
 from __future__ import annotations
 
+import base64
+import bisect
 import dataclasses
 import logging
 import os
+import zlib
+from collections.abc import Callable
 from typing import Any
 
 import h5py
@@ -38,16 +42,19 @@ from chkq.consolidation.output_check import check_plan_output
 from chkq.consolidation.output_parts import (
     SKELETON,
     OutputPart,
+    Piece,
     build_part,
     chunk_maps,
     cut_parts,
     output_pieces,
+    part_reads,
     parts_from_record,
 )
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.stamps import check_descriptor
 from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
+    BadCheckpointError,
     BadMessageError,
     CheckpointChangedError,
     ForgedRecordError,
@@ -99,13 +106,49 @@ def _assembly(job: str) -> tuple[SharedUpload, int, list[OutputPart]]:
     return upload, size, parts
 
 
-def _source(found: StoreJob, plan: Plan, file_index: int) -> SourceObject:
-    """The pinned object file ``file_index`` of the plan is the metadata of."""
+#: Most bytes of skeleton (metadata, fixed datasets) an assembly record carries, so that any
+#: node builds any part: about a thousandth of a large run's output.
+MAX_RECORDED_SKELETON = 64 << 20
+
+
+def _skeleton_bytes(plan: Plan, pieces: list[Piece]) -> bytes:
+    """The skeleton's bytes of ``pieces``, one after the other.
+
+    Raises
+    ------
+    BadCheckpointError
+        If they are more than :data:`MAX_RECORDED_SKELETON`.
+    """
+    total = sum(p.length for p in pieces)
+    if total > MAX_RECORDED_SKELETON:
+        raise BadCheckpointError(
+            f"job {plan.job_id} cannot be spread over the nodes: its output holds {total:,} "
+            f"bytes besides the rows (metadata, fixed datasets), more than the "
+            f"{MAX_RECORDED_SKELETON:,} a job record carries; nothing was published")
+    with plan.open_run() as run:
+        fd = run.open_file(plan.job.temp, READ)
+    try:
+        check_descriptor(plan.job.temp, fd, plan.temp_inode)
+        return b"".join(os.pread(fd, p.length, p.start) for p in pieces)
+    finally:
+        os.close(fd)
+
+
+def _source_index(found: StoreJob, plan: Plan, file_index: int) -> int:
+    """The index among the job's pinned objects of the one file ``file_index`` mirrors."""
     name = found.name_of(plan.files[file_index][0])
-    for obj in found.run.objects:
+    for index, obj in enumerate(found.run.objects):
         if obj.name == name:
-            return obj
+            return index
     raise UnprovenJobError(f"job {found.job} planned {name!r}, which is not one of its objects")
+
+
+def _source(found: StoreJob, index: int) -> SourceObject:
+    """Pinned object ``index`` of the job (a part's piece names it: untrusted)."""
+    if not 0 <= index < len(found.run.objects):
+        raise ForgedRecordError(f"job record {keys.job_record(found.job, 'assembly')} names "
+                                f"object {index} of {len(found.run.objects)}: refused")
+    return found.run.objects[index]
 
 
 def launch_parts(plan: Plan, found: StoreJob) -> None:
@@ -131,12 +174,17 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
                 return fid
 
             maps = chunk_maps(plan, opened)
-        parts = cut_parts(output_pieces(plan, size, maps), get_settings().upload_part_bytes)
+        objects = [_source_index(found, plan, f) for f in range(len(plan.files))]
+        pieces = [p if p.source == SKELETON else dataclasses.replace(p, source=objects[p.source])
+                  for p in output_pieces(plan, size, maps)]
+        parts = cut_parts(pieces, get_settings().upload_part_bytes)
+        skeleton = _skeleton_bytes(plan, [p for p in pieces if p.source == SKELETON])
         store = _destination(found)
         upload = store.begin_shared_upload(found.destination[1])
         recorded = records().record_assembly(job, {
             "upload": upload.to_record(), "size": size,
-            "parts": [p.to_record() for p in parts]})
+            "parts": [p.to_record() for p in parts],
+            "skeleton": base64.b64encode(zlib.compress(skeleton, 6)).decode()})
         if recorded["upload"] != upload.to_record():
             store.abort_shared_upload(upload)
     _, size, parts = _assembly(job)
@@ -147,11 +195,8 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
     assemble_sig = assemble.si(out_dir, model, job).set(
         task_id=job, queue=found.queue,
         link_error=[fail_signature(out_dir, model, job, found.queue)])
-    sends = []
-    for index, part in enumerate(parts):
-        sig = send_part.si(job, index, bytes=part.length, copied=part.copied).set(
-            task_id=task_id(job, "part", index))
-        sends.append(sig.set(queue=found.queue) if part.needs_skeleton else sig)
+    sends = [send_part.si(job, index, bytes=part.length, copied=part.copied).set(
+        task_id=task_id(job, "part", index)) for index, part in enumerate(parts)]
     chord(group(sends).set(task_id=task_id(job, "parts")), assemble_sig).apply_async()
 
 
@@ -178,49 +223,69 @@ def send_part(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
     if unit >= len(parts):
         raise BadMessageError(f"job {job} has no part {unit!r}")
     part = parts[unit]
-    plan = records().load_plan(job, found.resolved_run_dir, found.run.model)
     store = _destination(found)
     if part.copied:
         piece = part.pieces[0]
-        obj = _source(found, plan, piece.source)
+        obj = _source(found, piece.source)
         sent = store.copy_part(upload, part.number, obj.key, ObjectVersion(obj.size, obj.version),
                                piece.start, piece.length, part.offset)
     else:
-        if part.needs_skeleton and found.queue != own_queue(self):
-            raise BadMessageError(f"part {unit} of job {job} holds skeleton bytes, which only "
-                                  f"{found.queue} has: refused on {own_queue(self)}")
-        sent = store.put_part(upload, part.number, _built(found, plan, part), part.offset)
+        sent = store.put_part(upload, part.number, _built(found, part), part.offset)
     records().record_part(job, unit, sent.to_record())
     return {"part": part.number, "bytes": part.length, "copied": part.copied}
 
 
-def _built(found: StoreJob, plan: Plan, part: OutputPart) -> bytes:
-    """A part's bytes, its source ranges read pinned, its skeleton bytes from this scratch."""
+def _built(found: StoreJob, part: OutputPart) -> bytes:
+    """A part's bytes: its source ranges read pinned (nearby ones at once), its skeleton bytes
+    from the assembly record."""
     store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
-    skeleton: list[int] = []
-
-    def read(source: int, start: int, length: int) -> bytes:
-        if source == SKELETON:
-            if not skeleton:
-                with plan.open_run() as run:
-                    fd = run.open_file(plan.job.temp, READ)
-                check_descriptor(plan.job.temp, fd, plan.temp_inode)
-                skeleton.append(fd)
-            return os.pread(skeleton[0], length, start)
-        obj = _source(found, plan, source)
+    fetched: dict[int, list[tuple[int, bytes]]] = {}
+    for source, start, length in part_reads(part):
+        obj = _source(found, source)
         data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start,
                                       length)
-        if data is None:
+        if data is None or len(data) != length:
             raise CheckpointChangedError(
                 f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
                 "planned (replaced, rewritten or deleted in the store): nothing was published")
-        return data
+        fetched.setdefault(source, []).append((start, data))
+    skeleton = _recorded_skeleton(found) if part.needs_skeleton else None
 
+    def read(source: int, start: int, length: int) -> bytes:
+        if skeleton is not None and source == SKELETON:
+            return skeleton(start, length)
+        for at, data in fetched[source]:
+            if at <= start and start + length <= at + len(data):
+                return data[start - at:start - at + length]
+        raise AssertionError(f"bytes {start}+{length} of object {source} were not read")
+
+    return build_part(part, read)
+
+
+def _recorded_skeleton(found: StoreJob) -> Callable[[int, int], bytes]:
+    """Reads of the skeleton's bytes from the assembly record (checked: untrusted)."""
+    record = records().assembly(found.job) or {}
+    _, _, parts = _assembly(found.job)
+    pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
+    where = f"job record {keys.job_record(found.job, 'assembly')}"
     try:
-        return build_part(part, read)
-    finally:
-        for fd in skeleton:
-            os.close(fd)
+        data = zlib.decompress(base64.b64decode(str(record.get("skeleton")), validate=True))
+    except (ValueError, zlib.error) as exc:
+        raise ForgedRecordError(f"{where}: its skeleton cannot be read ({exc}): "
+                                "refused") from None
+    if len(data) != sum(p.length for p in pieces):
+        raise ForgedRecordError(f"{where}: its skeleton does not fit its pieces: refused")
+    starts, at = {}, 0
+    for p in pieces:
+        starts[p.start] = at
+        at += p.length
+    ordered = sorted(starts)
+
+    def read(start: int, length: int) -> bytes:
+        first = ordered[bisect.bisect_right(ordered, start) - 1]
+        begin = starts[first] + start - first
+        return data[begin:begin + length]
+    return read
 
 
 def _assemble_message(self: ChkqTask, out_dir: str, model: str, job: str) -> Checked:

@@ -56,11 +56,12 @@ def _assemble(plan, parts: list[OutputPart], into: Path) -> int:  # type: ignore
     return built
 
 
-def _uneven_run(run: Path) -> list[Path]:
+def _uneven_run(run: Path, scale: int = 1) -> list[Path]:
     """Single-file checkpoints of different rows, h5py's automatic chunks, three widths."""
     rng = np.random.default_rng(3)
     paths, total = [], 0
-    for number, rows in enumerate((70_000, 123_457, 0, 51_001), start=1):
+    for number, rows in enumerate((70_000 * scale, 123_457 * scale, 0, 51_001 * scale),
+                                  start=1):
         path = run / f"run_chk{number:05d}.h5"
         total += rows
         with h5py.File(path, "w") as f:

@@ -301,6 +301,30 @@ def cut_parts(pieces: list[Piece], part_bytes: int, *,
     return [OutputPart(n, tuple(p)) for n, p in enumerate(parts, start=1)]
 
 
+#: Bytes between two ranges of one source that one read takes in rather than two reads.
+READ_GAP = 1 << 20
+
+
+def part_reads(part: OutputPart, gap: int = READ_GAP) -> list[tuple[int, int, int]]:
+    """``(source, start, length)`` of the reads that give a built part's source bytes.
+
+    Ranges of one source less than ``gap`` bytes apart are read at once
+    (h5py's chunks tile a row's columns: a part's pieces are then short
+    ranges, close together), each read at most the part's length plus a gap.
+    """
+    reads: list[list[int]] = []
+    limit = part.length + gap
+    for source, start, length in sorted((p.source, p.start, p.length) for p in part.pieces
+                                        if p.source != SKELETON):
+        last = reads[-1] if reads else None
+        if (last is not None and last[0] == source and start - (last[1] + last[2]) <= gap
+                and start + length - last[1] <= limit):
+            last[2] = max(last[2], start + length - last[1])
+        else:
+            reads.append([source, start, length])
+    return [(source, start, length) for source, start, length in reads]
+
+
 def build_part(part: OutputPart, read: Callable[[int, int, int], bytes]) -> bytes:
     """The bytes of ``part``, each piece from ``read(source, start, length)``.
 
