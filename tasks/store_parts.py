@@ -15,10 +15,11 @@ shared by every node (:mod:`chkq.stores.shared_upload`). A part that is one
 long source range is copied by the store itself (S3 ``UploadPartCopy``, a
 local store's ``copy_file_range``); any other part is built by whichever
 node takes it, from pinned ranged reads and the skeleton's bytes, which the
-assembly record carries (metadata: about a thousandth of a large output). ``chkq.assemble`` completes the upload create-if-absent
-once every part is recorded, then proves the object from its metadata alone:
-its chunk index places every chunk where the plan put it, its structure is
-the template's, and the store's checksums are the parts'.
+assembly record carries (metadata: about a thousandth of a large output).
+``chkq.assemble`` completes the upload create-if-absent once every part is
+recorded, then proves the object from its metadata alone: its chunk index
+places every chunk where the plan put it, its structure is the template's,
+and the store's checksums are the parts'.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ from chkq.rundir import READ
 from chkq.staging import SourceObject, delete_sources
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
-from chkq.stores.shared_upload import PartRecord, SharedUpload
+from chkq.stores.objects import ObjectChecksums
+from chkq.stores.shared_upload import PartRecord, SharedUpload, checksums_match
 from chkq.stores.url import open_store
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
 from chkq.tasks.canvas import fail_signature
@@ -328,7 +330,12 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
         raise StoreDestinationExistsError(
             f"output {found.output_url} was created by someone else while job {job} "
             "assembled it; it is never overwritten, and nothing of this job's was left")
-    proof = prove_assembled(store, key, plan, size)
+    expected = store.shared_upload_checksums(records_of)
+    if not checksums_match(store.checksums(key), expected):
+        raise OutputMismatchError(
+            f"the assembled {found.output_url} is not the {len(parts)} parts sent: the store's "
+            f"checksums of it ({store.checksums(key)}) are not theirs ({expected})")
+    proof = prove_assembled(store, key, plan, size) + "; " + _described(expected)
     warnings = []
     if found.cleanup:
         planned = {found.name_of(f[0]) for f in plan.files}
@@ -338,6 +345,8 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
               "files": len(plan.files), "datasets": {f"/{d.name}": d.total for d in plan.datasets},
               "store": True, "spread": True, "parts": len(parts),
               "copied_bytes": sum(p.length for p in parts if p.copied),
+              "through_workers": sum(p.length for p in parts
+                                     if not p.copied or not store.copies_ranges),
               "proof": proof, "warnings": warnings}
     records().record_finished(job, result)
     records().forget_progress(job)
@@ -345,6 +354,18 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
     log.info("job=%s assembled %s (%d bytes in %d parts; %s)", job, found.output_url, size,
              len(parts), proof)
     return result
+
+
+def _described(checksums: ObjectChecksums) -> str:
+    """What the store's checksums proved, for the job's result."""
+    said = [f"{checksums.size:,} bytes"]
+    if checksums.sha256:
+        said.append(f"composite SHA-256 {checksums.sha256[:12]}… of {checksums.sha256_parts} parts")
+    if checksums.etag:
+        said.append(f"ETag {checksums.etag}")
+    if checksums.crc32c is not None:
+        said.append(f"CRC32C {checksums.crc32c:08x}")
+    return "the store's checksums are the parts': " + ", ".join(said)
 
 
 def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int) -> str:

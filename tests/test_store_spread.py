@@ -24,6 +24,7 @@ from test_output_parts import _uneven_run
 
 from chkq.demo import RunShape, make_run
 from chkq.stores import open_store
+from chkq.tasks.state import records
 from chkq.workers.client import submit_store_consolidation
 from support.helpers import assert_same_hdf5
 from support.plugins.cluster import WorkerProcess
@@ -95,6 +96,13 @@ def test_a_run_larger_than_any_node_is_assembled_in_the_store(
     output = fetched(store, "sim.h5", tmp_path)
     assert_same_hdf5(output, reference_output(files, run_dir, places, "sim"))
     assert store.stray_uploads() == []
+    done = records().finished_result(job.id)
+    assert done is not None and done["spread"] is True, done
+    # The rows of a checkpoint's thread file lie in long runs of its chunks: the store copies
+    # those; GCS has no ranged copy, so there every byte passes through a node, once.
+    copied = done["copied_bytes"] / done["bytes"]
+    through = done["through_workers"] / done["bytes"]
+    assert copied > 0.4 and through == pytest.approx(1.0 if kind == "gcs" else 1 - copied), done
     for node in ("node0", "node1"):
         work = places[node] / "work"
         assert not work.exists() or list(work.iterdir()) == [], f"workspace left on {node}"
