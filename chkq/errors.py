@@ -116,6 +116,10 @@ class CheckpointCorruptionError(ChkqError, ValueError):
     """
 
 
+class UploadAbortedError(ChkqError, RuntimeError):
+    """An upload shared by many processes was aborted (``chkq gc``, a store's lifecycle rule)."""
+
+
 class OutputMismatchError(ChkqError, ValueError):
     """The written output differs from its checkpoints (a row) or its template (structure)."""
 

@@ -32,7 +32,12 @@ from botocore.exceptions import (
 )
 
 from chkq.backoff import Backoff
-from chkq.errors import CheckpointChangedError, StoredBytesMismatchError, TransientStoreError
+from chkq.errors import (
+    CheckpointChangedError,
+    StoredBytesMismatchError,
+    TransientStoreError,
+    UploadAbortedError,
+)
 from chkq.stores.bucket import WRITE_ID_METADATA, BucketStore
 from chkq.stores.objects import ObjectChecksums, ObjectVersion, StrayUpload
 from chkq.stores.s3_errors import (
@@ -419,7 +424,33 @@ class SharedMultipart:
             f"start shared upload of {key}")
         return SharedUpload(key, str(answer["UploadId"]), write_id)
 
+    def _alive(self, upload: SharedUpload) -> None:
+        """Refuse an upload that was aborted: S3 answers its parts with 404 (moto with 500,
+        which would be retried as a passing fault), its list of parts always with 404.
+
+        Raises
+        ------
+        UploadAbortedError
+            If S3 no longer knows the upload.
+        """
+        store = self.store
+
+        def attempt() -> None:
+            try:
+                self._client.list_parts(Bucket=store.bucket, Key=self._prefix + upload.key,
+                                        UploadId=upload.upload_id, MaxParts=1)
+            except ClientError as exc:
+                if code_and_status(exc)[0] == "NoSuchUpload":
+                    raise UploadAbortedError(
+                        f"store {store.url}: the upload of {upload.key} was aborted (by "
+                        "`chkq gc`, or a lifecycle rule of the bucket) while its parts were "
+                        "sent: nothing was published") from None
+                raise
+
+        store._retry(attempt, f"look up the upload of {upload.key}")
+
     def put(self, upload: SharedUpload, number: int, data: bytes, offset: int) -> PartRecord:
+        self._alive(upload)
         checksum = _b64(hashlib.sha256(data).digest())
         part = send_part(self.store, self._client, name=self._prefix + upload.key,
                          key=upload.key, upload_id=upload.upload_id, number=number,
@@ -435,6 +466,8 @@ class SharedMultipart:
             return CheckpointChangedError(
                 f"store {store.url}: {source} changed since it was pinned (replaced or "
                 f"deleted): part {number} of {upload.key} was not copied from it")
+
+        self._alive(upload)
 
         def attempt() -> dict[str, Any] | None:
             try:
@@ -460,6 +493,8 @@ class SharedMultipart:
 
     def complete(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
         validate_parts(upload, parts, min_part=MIN_PART)
+        if self._head(upload.key) is None:
+            self._alive(upload)
         entries = [{"ETag": part.etag, "PartNumber": part.number,
                     **({"ChecksumSHA256": part.checksum} if part.checksum else {})}
                    for part in parts]
