@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_from_store import fetched, reference_output, upload_run
+from test_node_loss_steps import job_lines, step_lines
 
 from chkq.demo import RunShape, make_run
 from chkq.stores import CheckpointStore, open_store
@@ -24,8 +26,6 @@ from support.helpers import assert_same_hdf5, wait_for
 from support.plugins.cluster import WorkerProcess
 from support.plugins.faults import FAULT_LIMITS, Cluster
 from support.plugins.object_stores import BUCKET
-from test_from_store import fetched, reference_output, upload_run
-from test_node_loss_steps import job_lines, step_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.fault]
 
@@ -111,8 +111,9 @@ def test_the_upload_aborted_by_gc_fails_the_job_clearly(
     _, _, url, store = _run_in_s3(tmp_path, s3_endpoint)
     job = submit_store_consolidation("sim", url)
     wait_for(lambda: _parts_sent(job) >= 1, JOB_SECONDS, "a part to be sent", interval=0.01)
-    swept = subprocess.run([sys.executable, "-m", "chkq.workers.cli", "gc", url, "--older-than", "0"],
-                           capture_output=True, text=True, timeout=60)
+    swept = subprocess.run(
+        [sys.executable, "-m", "chkq.workers.cli", "gc", url, "--older-than", "0"],
+        capture_output=True, text=True, timeout=60)
     assert swept.returncode == 0 and "aborted 1" in swept.stderr, swept.stderr
     message = _failed_cleanly(job, store, "aborted")
     assert "sim.h5" in message, message
