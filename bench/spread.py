@@ -1,0 +1,180 @@
+"""Measure one store job spread over 1, 2 and 3 nodes against today's one-node store job.
+
+Set-up, before any timing: a private redis-server, moto's S3 server as its
+own process behind a byte-counting TCP proxy (both from ``from_store.py``:
+every S3 request of the workers goes through the proxy), and an uncompressed
+run of ``--checkpoints`` single-file checkpoints (``chkq.demo``'s slug-like
+layout, ``--trials`` rows each, a 1,024-column ``spec`` dataset) uploaded to
+the bucket, untimed.
+
+Per row, ``--repeat`` jobs (``submit_store_consolidation(...).wait_for_summary()``,
+the output deleted between them, untimed), with fresh ``chkq worker -c 2``
+nodes, each with its own scratch directory:
+
+==========  ============================================================
+one node    today's path (``CHKQ_SPREAD_BYTES`` above the run): one worker
+            fetches every object, consolidates in its scratch, publishes
+spread N    ``CHKQ_SPREAD_BYTES=0`` on N nodes: metadata mirrors on the
+            staging node, parts copied by S3 (``UploadPartCopy``) or built
+            by any node, the upload completed create-if-absent
+==========  ============================================================
+
+Reported per row: median/min/max seconds, the ratio to the one-node row,
+bytes through the S3 proxy per output byte (both ways), and the peak
+scratch of the busiest node (allocated blocks, sampled every 0.1 s).
+
+Usage::
+
+    .venv/bin/python bench/spread.py [--checkpoints 8] [--trials 30000] [--repeat 3]
+        [--nodes 1,2,3] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+sys.path.insert(0, str(BENCH))
+
+from consolidate import bench_dirs  # noqa: E402
+from from_store import BUCKET, CountingProxy, DiskWatch, Moto  # noqa: E402
+
+MODEL = "run"
+
+
+@contextlib.contextmanager
+def nodes(count: int, root: Path, env: dict[str, str]) -> Iterator[list[Path]]:
+    """``count`` worker nodes, each ``chkq worker -c 2`` with a scratch of its own."""
+    from chkq.config.celery_app import get_app
+    from chkq.workers.runtime.launch import launch_worker
+
+    scratches, processes, logs = [], [], []
+    try:
+        for n in range(count):
+            scratch = root / f"node{n}-{uuid.uuid4().hex[:6]}"
+            scratch.mkdir(mode=0o700)
+            scratches.append(scratch)
+            log = open(root / f"{scratch.name}.log", "wb")  # noqa: SIM115 (closed below)
+            logs.append(log)
+            processes.append(launch_worker(
+                f"bench-{scratch.name}@%h", log=log, concurrency=2, peers=False,
+                env={**os.environ, **env, "CHKQ_SCRATCH_DIR": str(scratch / "work")}))
+        deadline = time.monotonic() + 60
+        while len(get_app().control.ping(timeout=0.5) or []) < count:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the nodes did not start")
+        yield scratches
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for log in logs:
+            log.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoints", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=30_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--nodes", default="1,2,3")
+    parser.add_argument("--keep", type=Path)
+    args = parser.parse_args(argv)
+
+    from chkq.config.celery_app import make_app, use_app
+    from chkq.config.settings import Settings
+    from chkq.demo import RunShape, make_run
+    from chkq.tasks.state import records
+    from chkq.workers.broker import PrivateRedis
+    from chkq.workers.client import submit_store_consolidation
+
+    tmp, root, _ = bench_dirs(args.keep, "chkq-spread-")
+    redis = PrivateRedis()
+    redis.start()
+    moto = Moto(root / "moto.log")
+    proxy = CountingProxy(moto.url.removeprefix("http://"))
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=proxy.url,
+                      CHKQ_BROKER_URL=redis.url, CHKQ_ALLOWED_ROOTS=str(root))
+    os.environ.pop("CHKQ_RESULT_BACKEND", None)
+    settings = Settings.from_env()
+    use_app(make_app(settings), settings)
+    try:
+        run_dir = root / "run"
+        files = sorted(run_dir.glob("*.h5")) if run_dir.is_dir() else make_run(
+            run_dir, MODEL, RunShape(checkpoints=args.checkpoints, trials=args.trials,
+                                     spec_columns=1024))
+        prefix = f"spread-{uuid.uuid4().hex[:8]}"
+        direct = moto.client()
+        for path in files:
+            direct.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+        url = f"s3://{BUCKET}/{prefix}/"
+        run_bytes = sum(p.stat().st_size for p in files)
+        parts = os.environ.get("CHKQ_UPLOAD_PART_BYTES", "16 MiB")
+        print(f"# run: {len(files)} files, {run_bytes / 1e6:,.1f} MB; host load "
+              f"{os.getloadavg()[0]:.2f}; parts {parts}", flush=True)
+
+        rows = [("one node", 1, {"CHKQ_SPREAD_BYTES": str(1 << 50)})]
+        rows += [(f"spread {n}", n, {"CHKQ_SPREAD_BYTES": "0"})
+                 for n in (int(x) for x in args.nodes.split(","))]
+        results: dict[str, tuple[list[float], list[float], list[int], dict]] = {}
+        for label, count, env in rows:
+            seconds, moved, peaks, done = [], [], [], {}
+            with nodes(count, root, env) as scratches:
+                for _ in range(args.repeat + 1):
+                    with contextlib.suppress(Exception):
+                        direct.delete_object(Bucket=BUCKET, Key=f"{prefix}/{MODEL}.h5")
+                    before = sum(proxy.counts())
+                    with contextlib.ExitStack() as stack:
+                        watches = [stack.enter_context(DiskWatch([s])) for s in scratches]
+                        started = time.perf_counter()
+                        job = submit_store_consolidation(MODEL, url)
+                        summary = job.wait_for_summary(timeout=3600)
+                        took = time.perf_counter() - started
+                    output = summary.bytes or 1
+                    seconds.append(took)
+                    moved.append((sum(proxy.counts()) - before) / output)
+                    peaks.append(max(w.peak for w in watches))
+                    done = records().finished_result(job.id) or {}
+            # The first job of each row warms the nodes up (imports, connections): dropped.
+            results[label] = (seconds[1:], moved[1:], peaks[1:], done)
+            print(f"# {label}: {', '.join(f'{s:.2f}' for s in seconds[1:])} s", flush=True)
+
+        base = statistics.median(results["one node"][0])
+        print("\n| path | nodes | seconds (median, min–max) | / one node | S3 bytes through "
+              "the workers / output byte | peak scratch, busiest node |")
+        print("|---|---|---|---|---|---|")
+        for label, count, _ in rows:
+            secs, moved, peaks, done = results[label]
+            med = statistics.median(secs)
+            built = done.get("through_workers")
+            note = (f" (built parts: {built / done['bytes']:.1%} of the output)"
+                    if built is not None else "")
+            print(f"| {label} | {count} | {med:.2f} ({min(secs):.2f}–{max(secs):.2f}) | "
+                  f"{med / base:.2f}x | {statistics.median(moved):.3f}{note} | "
+                  f"{max(peaks) / 2**20:,.1f} MiB |")
+    finally:
+        proxy.close()
+        moto.close()
+        redis.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
