@@ -426,28 +426,30 @@ class SharedMultipart:
 
     def _alive(self, upload: SharedUpload) -> None:
         """Refuse an upload that was aborted: S3 answers its parts with 404 (moto with 500,
-        which would be retried as a passing fault), its list of parts always with 404.
+        which would be retried as a passing fault).
+
+        Asked of the bucket's list of unfinished uploads of the key, not of the
+        upload's parts (moto computes a part's ETag when it is listed, racing
+        with the part's writer).
 
         Raises
         ------
         UploadAbortedError
-            If S3 no longer knows the upload.
+            If S3 no longer lists the upload.
         """
-        store = self.store
+        store, name = self.store, self._prefix + upload.key
 
-        def attempt() -> None:
-            try:
-                self._client.list_parts(Bucket=store.bucket, Key=self._prefix + upload.key,
-                                        UploadId=upload.upload_id, MaxParts=1)
-            except ClientError as exc:
-                if code_and_status(exc)[0] == "NoSuchUpload":
-                    raise UploadAbortedError(
-                        f"store {store.url}: the upload of {upload.key} was aborted (by "
-                        "`chkq gc`, or a lifecycle rule of the bucket) while its parts were "
-                        "sent: nothing was published") from None
-                raise
+        def attempt() -> bool:
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            return any(found["UploadId"] == upload.upload_id and found["Key"] == name
+                       for page in paginator.paginate(Bucket=store.bucket, Prefix=name)
+                       for found in page.get("Uploads", []))
 
-        store._retry(attempt, f"look up the upload of {upload.key}")
+        if not store._retry(attempt, f"look up the upload of {upload.key}"):
+            raise UploadAbortedError(
+                f"store {store.url}: the upload of {upload.key} was aborted (by `chkq gc`, or "
+                "a lifecycle rule of the bucket) while its parts were sent: nothing was "
+                "published")
 
     def put(self, upload: SharedUpload, number: int, data: bytes, offset: int) -> PartRecord:
         self._alive(upload)
