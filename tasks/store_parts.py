@@ -65,10 +65,9 @@ from chkq.errors import (
 )
 from chkq.jobs import keys
 from chkq.jobs.records import task_id
-from chkq.rundir import READ
+from chkq.rundir import READ, fd_path
 from chkq.staging import SourceObject, delete_sources
 from chkq.stores.base import CheckpointStore, ObjectVersion
-from chkq.stores.fileobj import ObjectFile
 from chkq.stores.objects import ObjectChecksums
 from chkq.stores.shared_upload import PartRecord, SharedUpload, checksums_match
 from chkq.stores.url import open_store
@@ -251,7 +250,7 @@ def _built(found: StoreJob, part: OutputPart) -> bytes:
                 f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
                 "planned (replaced, rewritten or deleted in the store): nothing was published")
         fetched.setdefault(source, []).append((start, data))
-    skeleton = _recorded_skeleton(found) if part.needs_skeleton else None
+    skeleton = _recorded_skeleton(found.job) if part.needs_skeleton else None
 
     def read(source: int, start: int, length: int) -> bytes:
         if skeleton is not None and source == SKELETON:
@@ -264,12 +263,12 @@ def _built(found: StoreJob, part: OutputPart) -> bytes:
     return build_part(part, read)
 
 
-def _recorded_skeleton(found: StoreJob) -> Callable[[int, int], bytes]:
+def _recorded_skeleton(job: str) -> Callable[[int, int], bytes]:
     """Reads of the skeleton's bytes from the assembly record (checked: untrusted)."""
-    record = records().assembly(found.job) or {}
-    _, _, parts = _assembly(found.job)
+    record = records().assembly(job) or {}
+    _, _, parts = _assembly(job)
     pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
-    where = f"job record {keys.job_record(found.job, 'assembly')}"
+    where = f"job record {keys.job_record(job, 'assembly')}"
     try:
         data = zlib.decompress(base64.b64decode(str(record.get("skeleton")), validate=True))
     except (ValueError, zlib.error) as exc:
@@ -335,7 +334,7 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
         raise OutputMismatchError(
             f"the assembled {found.output_url} is not the {len(parts)} parts sent: the store's "
             f"checksums of it ({store.checksums(key)}) are not theirs ({expected})")
-    proof = prove_assembled(store, key, plan, size) + "; " + _described(expected)
+    proof = prove_assembled(store, key, plan, size, parts) + "; " + _described(expected)
     warnings = []
     if found.cleanup:
         planned = {found.name_of(f[0]) for f in plan.files}
@@ -368,36 +367,61 @@ def _described(checksums: ObjectChecksums) -> str:
     return "the store's checksums are the parts': " + ", ".join(said)
 
 
-def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int) -> str:
-    """Prove the assembled object from its metadata: its size, and every chunk where planned.
+def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
+                    parts: list[OutputPart]) -> str:
+    """Prove the assembled object's metadata: the skeleton's, with every chunk where planned.
 
-    The object is opened in place (ranged reads of its metadata only); each
-    raw dataset's chunk index must give the planned address of every chunk,
-    of the planned size and unfiltered. With the pieces derived from the
-    sources' own chunk indexes and each copy pinned to its source's
-    version, every row then lies where the output's own index says.
+    Called once the store's checksums showed the object to be exactly the
+    parts sent. The skeleton bytes those parts were built from (the assembly
+    record's) must be this worker's skeleton's; the skeleton's chunk index,
+    read through HDF5 from its metadata, must give each raw dataset's
+    planned address for every chunk, of the planned size, unfiltered, with
+    the planned rows; and the object's first bytes, read back, must be the
+    skeleton's (the superblock). With the pieces derived from the sources'
+    own chunk indexes and each copy pinned to its source's version, every
+    row then lies where the output's own index says. No row is read, and of
+    the object only its first piece (a ranged read).
 
     Raises
     ------
     OutputMismatchError
-        Naming the first chunk that differs.
+        Naming what differs.
     """
     if store.size(key) != size:
         raise OutputMismatchError(f"the assembled {key} holds {store.size(key)} bytes, "
                                   f"{size} were planned")
-    checked = 0
-    with h5py.File(ObjectFile(store, key), "r") as out:
-        for d in plan.datasets:
-            dsid = out[d.name].id
-            found = [info for _, info in stored_chunks(dsid, tuple(d.chunk), dsid.shape)]
-            if [None if i is None else int(i.byte_offset) for i in found] != d.chunk_offsets:
-                raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} does not "
-                                          "place its chunks where they were planned")
-            if any(i is not None and i.filter_mask for i in found) or dsid.shape[0] != d.total:
-                raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} is not "
-                                          f"{d.total} plain rows")
-            checked += len(found)
-    return f"{checked} chunks placed as planned, read from the object's metadata"
+    pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
+    recorded = _recorded_skeleton(plan.job_id)
+    with plan.open_run() as run:
+        fd = run.open_file(plan.job.temp, READ)
+    try:
+        check_descriptor(plan.job.temp, fd, plan.temp_inode)
+        for p in pieces:
+            if recorded(p.start, p.length) != os.pread(fd, p.length, p.start):
+                raise OutputMismatchError(f"the assembled {key}'s bytes {p.start}-"
+                                          f"{p.start + p.length} were not built from the "
+                                          "skeleton's")
+        head = pieces[0] if pieces and pieces[0].offset == 0 else None
+        if head is not None and store.get_range(key, 0, head.length) != os.pread(
+                fd, head.length, 0):
+            raise OutputMismatchError(f"the assembled {key} does not begin with its skeleton")
+        checked = 0
+        with h5py.File(fd_path(fd), "r", locking=False) as out:
+            for d in plan.datasets:
+                dsid = out[d.name].id
+                found = [info for _, info in stored_chunks(dsid, tuple(d.chunk), dsid.shape)]
+                if [None if i is None else int(i.byte_offset) for i in found] != d.chunk_offsets:
+                    raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} does "
+                                              "not place its chunks where they were planned")
+                if (any(i is not None and i.filter_mask for i in found)
+                        or dsid.shape[0] != d.total):
+                    raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} is not "
+                                              f"{d.total} plain rows")
+                checked += len(found)
+    finally:
+        os.close(fd)
+    return (f"{checked} chunks placed as planned in the metadata the parts were built from, "
+            f"{len(pieces)} metadata runs and the superblock checked")
 
 
 def abort_assembly(job: str, found: StoreJob) -> None:
