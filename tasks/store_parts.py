@@ -35,6 +35,7 @@ from typing import Any
 
 import h5py
 from celery import chord, group
+from celery.exceptions import Ignore
 
 from chkq.config.celery_app import get_app, get_settings
 from chkq.consolidation.checkpoint_files import stored_chunks
@@ -322,19 +323,28 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
             raise UnprovenJobError(f"job {job}'s part {part.number} was recorded as part "
                                    f"{record.number} of {record.size} bytes, not "
                                    f"{part.length}: nothing was published")
+    if records().cancelled(job) is not None or records().failure(job) is not None:
+        abort_assembly(job, found)
+        raise Ignore()
     store = _destination(found)
     key = found.destination[1]
     check_plan_output(plan)
-    if not store.complete_shared_upload(upload, records_of):
+    expected = store.shared_upload_checksums(records_of)
+    completed = store.exists(key) and checksums_match(store.checksums(key), expected)
+    # Completed already: this step delivered again after it completed the upload.
+    if not completed and not store.complete_shared_upload(upload, records_of):
         raise StoreDestinationExistsError(
             f"output {found.output_url} was created by someone else while job {job} "
             "assembled it; it is never overwritten, and nothing of this job's was left")
-    expected = store.shared_upload_checksums(records_of)
-    if not checksums_match(store.checksums(key), expected):
-        raise OutputMismatchError(
-            f"the assembled {found.output_url} is not the {len(parts)} parts sent: the store's "
-            f"checksums of it ({store.checksums(key)}) are not theirs ({expected})")
-    proof = prove_assembled(store, key, plan, size, parts) + "; " + _described(expected)
+    try:
+        if not checksums_match(store.checksums(key), expected):
+            raise OutputMismatchError(
+                f"the assembled {found.output_url} is not the {len(parts)} parts sent: the "
+                f"store's checksums of it ({store.checksums(key)}) are not theirs ({expected})")
+        proof = prove_assembled(store, key, plan, size, parts) + "; " + _described(expected)
+    except OutputMismatchError:
+        store.delete(key)  # this job's own object, just completed: never left unproven
+        raise
     warnings = []
     if found.cleanup:
         planned = {found.name_of(f[0]) for f in plan.files}

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import io
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,14 +48,12 @@ from h5py import h5a, h5d, h5f, h5o, h5s
 from chkq.consolidation.checkpoint_files import chunk_index, plain_chunks, walk_objects
 from chkq.consolidation.skeleton import dataset_mode
 from chkq.errors import BadCheckpointError, CheckpointChangedError, CheckpointCorruptionError
-from chkq.lru import LRU
 from chkq.rundir import fd_path
 from chkq.staging.fetching import FETCH_BYTES, changed_error
 from chkq.stores.base import CheckpointStore, ObjectVersion
+from chkq.stores.fileobj import ObjectFile
 
 __all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows"]
-
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -80,86 +77,6 @@ class MirrorStats:
     fetched: int
     skipped: int
     sha256: str = ""
-
-
-class _PinnedFile(io.RawIOBase):
-    """One pinned object version as a read-only file for HDF5: every read pinned.
-
-    Reads are served from whole blocks of ``block_size`` bytes, the last
-    ``cache_blocks`` kept (HDF5 reads the same metadata in small pieces
-    again and again), so at most ``block_size * cache_blocks`` bytes are
-    held. A block shorter than the pinned version holds there, or refused
-    by the store, means the object changed: the read fails, and the
-    refusal is kept in :attr:`failure` (HDF5 reports its own error).
-    Where each read HDF5 asks for starts is kept in :attr:`starts`.
-    """
-
-    def __init__(self, store: CheckpointStore, key: str, pinned: ObjectVersion, url: str, *,
-                 block_size: int = MiB, cache_blocks: int = 16) -> None:
-        super().__init__()
-        self.store, self.key, self.pinned, self.url = store, key, pinned, url
-        self.size = pinned.size
-        self.block_size = block_size
-        self._blocks: LRU[int, bytes] = LRU(block_size * cache_blocks, len)
-        self._position = 0
-        self.failure: CheckpointChangedError | None = None
-        self.starts: set[int] = set()
-
-    @property
-    def name(self) -> str:
-        return self.url
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self.size}[whence]
-        if base + offset < 0:
-            raise OSError(f"{self.url}: negative seek position {base + offset}")
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        end = min(self._position + len(view), self.size)
-        if self._position < end:
-            self.starts.add(self._position)
-        done = 0
-        while self._position + done < end:
-            offset = self._position + done
-            index, within = divmod(offset, self.block_size)
-            block = self._block(index)
-            piece = block[within : within + (end - offset)]
-            view[done : done + len(piece)] = piece
-            done += len(piece)
-        self._position += done
-        return done
-
-    def _block(self, index: int) -> bytes:
-        block = self._blocks.get(index)
-        if block is None:
-            start = index * self.block_size
-            want = min(self.block_size, self.size - start)
-            found = self.store.get_range_pinned(self.key, self.pinned, start, want)
-            if found is None or len(found) != want:
-                self.failure = changed_error(self.url)
-                raise self.failure
-            block = found
-            self._blocks.put(index, block)
-        return block
-
-    def close(self) -> None:
-        self._blocks.clear()
-        super().close()
 
 
 #: A stored chunk's extent: file offset, size, and whether the mirror leaves it a hole.
@@ -355,7 +272,7 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     url = f"{store.url.rstrip('/')}/{key}"
     if os.fstat(fd).st_size:
         raise ValueError(f"the mirror of {url!r} must be written into an empty file")
-    source = _PinnedFile(store, key, pinned, url)
+    source = ObjectFile(store, key, pinned=pinned, changed=changed_error)
     try:
         try:
             with h5py.File(source, "r") as f:

@@ -10,10 +10,12 @@ blocks again and again in small pieces.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
+from chkq.errors import CheckpointChangedError
 from chkq.lru import LRU
-from chkq.stores.base import CheckpointStore
+from chkq.stores.base import CheckpointStore, ObjectVersion
 
 __all__ = ["ObjectFile"]
 
@@ -36,6 +38,11 @@ class ObjectFile(io.RawIOBase):
     cache_blocks
         Blocks kept (least recently used evicted), so at most
         ``block_size * cache_blocks`` bytes are held.
+    pinned
+        Read this version only (:meth:`~chkq.stores.base.CheckpointStore.get_range_pinned`),
+        its size the version's: a block the store refuses, or shorter than the
+        version holds there, fails the read with ``changed(name)`` (kept in
+        :attr:`failure`, since HDF5 reports an error of its own).
 
     Raises
     ------
@@ -44,18 +51,25 @@ class ObjectFile(io.RawIOBase):
     """
 
     def __init__(self, store: CheckpointStore, key: str, *, block_size: int = MiB,
-                 cache_blocks: int = 16) -> None:
+                 cache_blocks: int = 16, pinned: ObjectVersion | None = None,
+                 changed: Callable[[str], Exception] | None = None) -> None:
         super().__init__()
         if block_size < 1 or cache_blocks < 1:
             raise ValueError(f"block_size and cache_blocks must be >= 1, got "
                              f"{block_size} and {cache_blocks}")
-        self.store, self.key = store, key
-        self.size = store.size(key)
+        self.store, self.key, self.pinned = store, key, pinned
+        self.size = store.size(key) if pinned is None else pinned.size
         self.block_size = block_size
         self._blocks: LRU[int, bytes] = LRU(block_size * cache_blocks, len)
         self._position = 0
+        self._changed = changed or (lambda name: CheckpointChangedError(
+            f"{name} is not the version pinned any more (replaced, rewritten or deleted)"))
         self.fetches = 0
         """Ranged reads made so far (for tests and tuning)."""
+        self.starts: set[int] = set()
+        """Where each read asked for began (where HDF5 read metadata, for a mirror)."""
+        self.failure: Exception | None = None
+        """Why a pinned read failed: the object changed (HDF5 reports an error of its own)."""
 
     @property
     def name(self) -> str:
@@ -103,6 +117,8 @@ class ObjectFile(io.RawIOBase):
         self._check_open()
         view = memoryview(buffer).cast("B")
         end = min(self._position + len(view), self.size)
+        if self._position < end:
+            self.starts.add(self._position)
         done = 0
         while self._position + done < end:
             offset = self._position + done
@@ -120,7 +136,16 @@ class ObjectFile(io.RawIOBase):
     def _block(self, index: int) -> bytes:
         block = self._blocks.get(index)
         if block is None:
-            block = self.store.get_range(self.key, index * self.block_size, self.block_size)
+            start = index * self.block_size
+            if self.pinned is None:
+                block = self.store.get_range(self.key, start, self.block_size)
+            else:
+                want = min(self.block_size, self.size - start)
+                found = self.store.get_range_pinned(self.key, self.pinned, start, want)
+                if found is None or len(found) != want:
+                    self.failure = self._changed(self.name)
+                    raise self.failure
+                block = found
             self.fetches += 1
             self._blocks.put(index, block)
         return block
