@@ -39,6 +39,7 @@ from chkq.access import resolve_allowed
 from chkq.config.celery_app import get_app, get_settings
 from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name
+from chkq.consolidation.mirror import sealed_mirror
 from chkq.consolidation.output_parts import template_refusal
 from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
@@ -409,7 +410,8 @@ def fetch(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
     try:
         found.run_dir.mkdir(parents=True, exist_ok=True)
         written = fetch_objects(found.run, names, found.run_dir, files,
-                                core=get_settings().core(), mirror=found.spread)
+                                core=get_settings().core(),
+                                mirror=sealed_mirror if found.spread else None)
     finally:
         if job_ended(job):
             discard_workspace(job)

@@ -7,7 +7,7 @@
 
 For a run whose rows are all plain chunk bytes (:func:`chkq.consolidation.output_parts.eligible`),
 the staging worker fetches only the sources' metadata (the chunks are holes,
-:mod:`chkq.staging.mirror`), plans as for any job and writes the skeleton,
+:mod:`chkq.consolidation.mirror`), plans as for any job and writes the skeleton,
 sparse, in its scratch directory. The output is then its skeleton's bytes
 with each source's rows at the addresses the skeleton allocated: a sequence
 of source ranges and skeleton ranges, cut into the parts of one upload

@@ -1,4 +1,4 @@
-"""Metadata mirrors of store objects (chkq.staging.mirror): planning on them equals planning
+"""Metadata mirrors of store objects (chkq.consolidation.mirror): planning on them equals planning
 on the full copy, and a mirror is refused rather than wrong.
 
 A run is put into a store (a ``file://`` directory, and moto's S3 over HTTP), each object
@@ -20,13 +20,13 @@ import h5py
 import numpy as np
 import pytest
 
+from chkq.consolidation.mirror import MirrorStats, mirror_object, raw_chunk_ranges, raw_chunk_rows
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.prepare import prepare
 from chkq.consolidation.temporaries import JobFiles
 from chkq.demo import RunShape
 from chkq.demo import make_run as make_demo_run
 from chkq.errors import BadCheckpointError, CheckpointChangedError, CheckpointCorruptionError
-from chkq.staging.mirror import MirrorStats, mirror_object, raw_chunk_ranges, raw_chunk_rows
 from chkq.stores.base import CheckpointStore
 from chkq.stores.local import LocalDirectoryStore
 from support import corpus

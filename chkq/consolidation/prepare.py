@@ -297,7 +297,7 @@ def prepare(
     ``digest``: whether the scan digests small files' rows (``FileScan.digest``,
     the plan's ``file_digests``); ``reserve``: whether the skeleton's full size
     is reserved on disk (:func:`chkq.consolidation.skeleton.create_skeleton`).
-    Planning a run of metadata mirrors (:mod:`chkq.staging.mirror`), whose raw
+    Planning a run of metadata mirrors (:mod:`chkq.consolidation.mirror`), whose raw
     chunks are holes, takes neither: ``digest=False`` reads no row, and
     ``reserve=False`` leaves the skeleton as sparse as its mirrors. Planning
     reads no other byte of those chunks.

@@ -163,7 +163,7 @@ def scan_files(paths: list[Path], out_dir: str | Path,
     unchanged file that every later open of the job relies on.
 
     ``digest``: whether small files' rows are digested (:func:`scan_file`);
-    a run of metadata mirrors (:mod:`chkq.staging.mirror`) holds no rows to digest.
+    a run of metadata mirrors (:mod:`chkq.consolidation.mirror`) holds no rows to digest.
 
     Raises
     ------

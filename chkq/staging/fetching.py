@@ -13,7 +13,7 @@ import hashlib
 import os
 import secrets
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,10 @@ from chkq.stores.base import CheckpointStore, ObjectVersion
 
 __all__ = ["FETCH_BYTES", "FetchedFile", "changed_error", "check_room", "fetch_objects"]
 
+
+#: Writes an object's mirror into an open file: ``(store, key, pinned, fd)``, giving the
+#: bytes it fetched and the digest that seals it.
+Mirror = Callable[[CheckpointStore, str, ObjectVersion, int], tuple[int, str]]
 
 FETCH_BYTES = 32 << 20
 """Bytes of a plain object read at a time: a fetch holds no more of it in memory."""
@@ -235,7 +239,7 @@ def check_room(run: StoreRun, objects: Sequence[SourceObject], into: Path) -> No
 
 def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
                   fetched: list[FetchedFile] | None = None, *,
-                  core: CoreSettings | None = None, mirror: bool = False) -> int:
+                  core: CoreSettings | None = None, mirror: Mirror | None = None) -> int:
     """Write the run's files ``names`` into the directory ``into``, each under its name.
 
     Each file appears whole or not at all: its bytes go to a random
@@ -255,10 +259,10 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
     ``fetched``, if given, receives what each file is once in place
     (:class:`FetchedFile`: its size, SHA-256 and identity), in order.
 
-    With ``mirror``, a plain object is fetched as its metadata mirror
-    (:func:`chkq.staging.mirror.mirror_object`, every chunk of its raw
-    datasets a hole: a job that copies its rows from the store by range),
-    sealed by the SHA-256 of the bytes fetched (``mirror:HEX``); what an
+    With ``mirror``, a plain object is fetched as ``mirror`` writes it (a
+    metadata mirror, :func:`chkq.consolidation.mirror.sealed_mirror`: every
+    chunk of its raw datasets a hole, for a job that copies its rows from the
+    store by range), sealed by the digest it gives (``mirror:HEX``); what an
     earlier delivery left at its name in the private workspace is mirrored
     again, and no room is asked for the holes.
 
@@ -288,7 +292,7 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
             raise BadNameError(f"{name!r} is not a checkpoint file of {run.source!r}")
         check_relative_name(name)
     root = check_out_dir(into)
-    if not mirror:
+    if mirror is None:
         check_room(run, [by_name[n] for n in names if not _same_size_there(root, by_name[n])],
                    root)
     store = open_run_store(run.store_url, core)
@@ -304,7 +308,7 @@ def fetch_objects(run: StoreRun, names: Sequence[str], into: Path,
         for name in names:
             try:
                 size, done = _fetch_one(store, log, run, by_name[name], root_fd, root, made,
-                                        mirror and log is None)
+                                        mirror if log is None else None)
             except OSError as exc:
                 if exc.errno in WRITE_ERRNOS and not isinstance(exc, OutputWriteError):
                     raise OutputWriteError(
@@ -347,15 +351,15 @@ def _placed(obj: SourceObject, dir_fd: int, name: str, digest: str) -> FetchedFi
 
 def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
                obj: SourceObject, root_fd: int, root: Path,
-               made: list[tuple[int, str, bool]], mirror: bool = False
+               made: list[tuple[int, str, bool]], mirror: Mirror | None = None
                ) -> tuple[int, FetchedFile]:
     """Fetch one file (or its mirror): bytes written and what it is in place; what is made is
     appended to ``made`` as (parent fd, name, is a dir)."""
     parts = obj.name.split("/")
     target = root.joinpath(*parts)
     with _parent_dir(root_fd, root, parts, made) as dir_fd:
-        if mirror:
-            return _mirror_one(store, run, obj, dir_fd, parts[-1], made)
+        if mirror is not None:
+            return _mirror_one(store, run, obj, dir_fd, parts[-1], made, mirror)
         kept = _already_there(store, log, run, obj, dir_fd, target)
         if kept is not None:
             return 0, _placed(obj, dir_fd, parts[-1], kept)
@@ -400,7 +404,8 @@ def _fetch_one(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,
 
 
 def _mirror_one(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd: int,
-                name: str, made: list[tuple[int, str, bool]]) -> tuple[int, FetchedFile]:
+                name: str, made: list[tuple[int, str, bool]], mirror: Mirror
+                ) -> tuple[int, FetchedFile]:
     """Write the object's metadata mirror at ``name`` of ``dir_fd``, replacing an earlier one.
 
     Raises
@@ -408,8 +413,6 @@ def _mirror_one(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd
     OutputExistsError
         If what is at ``name`` is not a regular file (a link, a directory).
     """
-    from chkq.staging.mirror import mirror_object
-
     with contextlib.suppress(FileNotFoundError):
         found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if not stat.S_ISREG(found.st_mode):
@@ -418,8 +421,7 @@ def _mirror_one(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd
     temp, fd = _new_temp(dir_fd, obj.mode)
     try:
         try:
-            stats = mirror_object(store, obj.key, ObjectVersion(obj.size, obj.version), fd,
-                                  every_raw=True)
+            fetched, seal = mirror(store, obj.key, ObjectVersion(obj.size, obj.version), fd)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -429,7 +431,7 @@ def _mirror_one(store: CheckpointStore, run: StoreRun, obj: SourceObject, dir_fd
         with contextlib.suppress(OSError):
             os.unlink(temp, dir_fd=dir_fd)
     os.fsync(dir_fd)
-    return stats.fetched, _placed(obj, dir_fd, name, "mirror:" + stats.sha256)
+    return fetched, _placed(obj, dir_fd, name, "mirror:" + seal)
 
 
 def _placed_meanwhile(store: CheckpointStore, log: CheckpointLog | None, run: StoreRun,

@@ -200,29 +200,43 @@ class LocalDirectoryStore(CheckpointStore):
             raise KeyError(key)
         return self._stamp(found)
 
-    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
-                          length: int) -> bytes | None:
+    @contextlib.contextmanager
+    def _pinned(self, key: str, pinned: ObjectVersion) -> Iterator[int | None]:
+        """The object's file, open, if it is the ``pinned`` version (else None); closed after.
+
+        The caller checks :meth:`_still` once it has read what it needs.
+        """
         with self._tree.parent(key, create=False) as (parent, name):
             if parent is None:
-                return None
+                yield None
+                return
             try:
                 fd = os.open(name, READ_FLAGS, dir_fd=parent)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                return None
+                yield None
+                return
             except OSError as exc:
                 if exc.errno == errno.ELOOP:
                     raise self._tree.refuse_link(key) from None
                 raise
             try:
                 before = os.fstat(fd)
-                if not stat.S_ISREG(before.st_mode) or self._stamp(before) != pinned:
-                    return None
-                data = os.pread(fd, length, start)
-                if self._stamp(os.fstat(fd)) != pinned:
-                    return None
-                return data
+                yield fd if stat.S_ISREG(before.st_mode) and self._stamp(before) == pinned \
+                    else None
             finally:
                 os.close(fd)
+
+    def _still(self, fd: int, pinned: ObjectVersion) -> bool:
+        """Whether the file open as ``fd`` is still the ``pinned`` version."""
+        return self._stamp(os.fstat(fd)) == pinned
+
+    def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
+                          length: int) -> bytes | None:
+        with self._pinned(key, pinned) as fd:
+            if fd is None:
+                return None
+            data = os.pread(fd, length, start)
+            return data if self._still(fd, pinned) else None
 
     @property
     def supports_links(self) -> bool:
@@ -466,27 +480,12 @@ class LocalDirectoryStore(CheckpointStore):
         changed = CheckpointChangedError(
             f"store {self.url}: {source_key} changed since it was pinned (replaced, "
             f"rewritten or deleted): part {number} of {upload.key} was not copied from it")
-        with self._shared_file(upload) as temp, \
-                self._tree.parent(source_key, create=False) as (parent, name):
-            if parent is None:
+        with self._shared_file(upload) as temp, self._pinned(source_key, pinned) as source:
+            if source is None:
                 raise changed
-            try:
-                source = os.open(name, READ_FLAGS, dir_fd=parent)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                raise changed from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self._tree.refuse_link(source_key) from None
-                raise
-            try:
-                before = os.fstat(source)
-                if not stat.S_ISREG(before.st_mode) or self._stamp(before) != pinned:
-                    raise changed
-                self._copy_range(source, temp.fd, start, length, offset, changed)
-                if self._stamp(os.fstat(source)) != pinned:
-                    raise changed
-            finally:
-                os.close(source)
+            self._copy_range(source, temp.fd, start, length, offset, changed)
+            if not self._still(source, pinned):
+                raise changed
             os.fsync(temp.fd)
             checksum = self._sha256_of(temp.fd, offset, length)
         return PartRecord(number, length, offset, "", checksum)

@@ -250,23 +250,7 @@ class MultipartUpload(PartsUpload):
         self._parts.append(part)
 
     def _complete(self) -> bool:
-        """Complete the upload and settle what became of it: ours, another's, or nothing.
-
-        The request waits up to ``timeouts.complete`` for its answer (S3
-        assembles a large object for a long time). An answer lost or
-        refused for a transient cause (a timeout, a cut connection, 5xx) is
-        no outcome: the completion is asked again, for up to twice that
-        long, until the store says (completed; 412 or NoSuchUpload with
-        this upload's write id on the object, or another's). Only then, or
-        when that time is spent, does the caller abort it, so a first
-        completion still being assembled is never taken for a failure.
-
-        Raises
-        ------
-        TransientStoreError
-            If the store never told: the upload is aborted, and the error
-            names the write id an object that still appears would carry.
-        """
+        """Send what is left, then complete the upload as :func:`settle_completion` does."""
         self._flush(final=True)
         if self._next_part == 1:
             self._send(b"")

@@ -53,7 +53,7 @@ from chkq.staging.fetching import FETCH_BYTES, changed_error
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
 
-__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows"]
+__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows", "sealed_mirror"]
 
 
 @dataclass(frozen=True)
@@ -315,3 +315,13 @@ def _check_mirror(fd: int, extents: list[_Extent], url: str,
         raise CheckpointCorruptionError(
             f"checkpoint object {url!r} is damaged or forged: without its rows it lists "
             "other chunks than with them")
+
+
+def sealed_mirror(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: int
+                  ) -> tuple[int, str]:
+    """The mirror a spread job fetches (every raw chunk a hole): bytes fetched and its seal.
+
+    What :func:`chkq.staging.fetching.fetch_objects` takes as ``mirror``.
+    """
+    stats = mirror_object(store, key, pinned, fd, every_raw=True)
+    return stats.fetched, stats.sha256
