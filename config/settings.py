@@ -27,6 +27,8 @@ from chkq.stores.retry import StoreTimeouts
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
+#: Seconds the Redis lock of a sweep for messages past their visibility timeout is kept.
+SWEEP_LOCK_SECONDS = 10
 
 #: URL schemes of RabbitMQ brokers (kombu's py-amqp transport) and of Redis.
 AMQP_SCHEMES: tuple[str, ...] = ("amqp", "amqps", "pyamqp")
@@ -415,10 +417,16 @@ class Settings:
         ``unacked_restore_throttle`` (10) ticks of ``unacked_restore_interval``
         (10 s): a dead worker's tasks could wait up to 100 s more. Scanning on
         every tick of ``restore_every`` seconds bounds the wait by
-        :attr:`takeover_bound`.
+        :attr:`takeover_bound`. The sweep holds a lock in Redis while it
+        scans, which kombu keeps for 300 s: a worker killed while holding it
+        (a node lost mid-sweep) would stop every sweep for five minutes. A
+        sweep takes milliseconds, and two at once restore each message once
+        (each restore is a transaction), so the lock is kept for
+        :data:`SWEEP_LOCK_SECONDS` instead.
         """
         return {
             "visibility_timeout": self.visibility_timeout,
             "unacked_restore_interval": self.restore_every,
             "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": SWEEP_LOCK_SECONDS,
         }
