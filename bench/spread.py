@@ -86,6 +86,27 @@ def nodes(count: int, root: Path, env: dict[str, str]) -> Iterator[list[Path]]:
             log.close()
 
 
+def wide_run(run_dir: Path, checkpoints: int, rows: int) -> list[Path]:
+    """Single-file checkpoints holding one extensible ``rows`` x 1,024 float64 dataset."""
+    import h5py
+    import numpy as np
+
+    run_dir.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    files = []
+    for number in range(1, checkpoints + 1):
+        path = run_dir / f"{MODEL}_chk{number:05d}.h5"
+        with h5py.File(path, "w") as f:
+            f.attrs["trials_completed"] = np.uint64(number * rows)
+            f.create_dataset("grid", data=np.linspace(0.0, 1.0, 1024))
+            spec = f.create_dataset("spec", shape=(rows, 1024), maxshape=(None, 1024),
+                                    dtype="f8", chunks=(256, 1024))
+            for start in range(0, rows, 8192):
+                spec[start:start + 8192] = rng.random((min(8192, rows - start), 1024))
+        files.append(path)
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoints", type=int, default=8)
@@ -93,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--nodes", default="1,2,3")
     parser.add_argument("--keep", type=Path)
+    parser.add_argument("--wide", action="store_true",
+                        help="checkpoints of one 1,024-column dataset (every dataset >= 64 MiB "
+                        "a checkpoint) instead of the demo layout's seven")
     args = parser.parse_args(argv)
 
     from chkq.config.celery_app import make_app, use_app
@@ -115,9 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     use_app(make_app(settings), settings)
     try:
         run_dir = root / "run"
-        files = sorted(run_dir.glob("*.h5")) if run_dir.is_dir() else make_run(
-            run_dir, MODEL, RunShape(checkpoints=args.checkpoints, trials=args.trials,
-                                     spec_columns=1024))
+        if run_dir.is_dir():
+            files = sorted(run_dir.glob("*.h5"))
+        elif args.wide:
+            files = wide_run(run_dir, args.checkpoints, args.trials)
+        else:
+            files = make_run(run_dir, MODEL, RunShape(checkpoints=args.checkpoints,
+                                                      trials=args.trials, spec_columns=1024))
         prefix = f"spread-{uuid.uuid4().hex[:8]}"
         direct = moto.client()
         for path in files:
