@@ -266,7 +266,8 @@ class MultipartUpload(PartsUpload):
 
 
 def send_part(store: BucketStore, client: Any, *, name: str, key: str, upload_id: str,
-              number: int, piece: bytes, checksum: str | None) -> dict[str, Any]:
+              number: int, piece: bytes, checksum: str | None,
+              alive: Callable[[], None] | None = None) -> dict[str, Any]:
     """``UploadPart`` of ``piece`` as part ``number``; its entry of the completion's part list.
 
     With ``checksum`` (the part's SHA-256, base64) S3 checks the bytes it
@@ -278,12 +279,19 @@ def send_part(store: BucketStore, client: Any, *, name: str, key: str, upload_id
         If the store received other bytes than those sent.
     """
     extra = {"ChecksumAlgorithm": "SHA256", "ChecksumSHA256": checksum} if checksum else {}
+
+    def attempt() -> Any:
+        try:
+            return client.upload_part(Bucket=store.bucket, Key=name, UploadId=upload_id,
+                                      PartNumber=number, Body=piece, **extra)
+        except ClientError as exc:
+            code, status = code_and_status(exc)
+            if alive is not None and (code == "NoSuchUpload" or status >= 500):
+                alive()  # an upload aborted meanwhile ends the retries
+            raise
+
     try:
-        answer = store._retry(
-            lambda: client.upload_part(
-                Bucket=store.bucket, Key=name, UploadId=upload_id,
-                PartNumber=number, Body=piece, **extra),
-            f"upload part {number} of {key}")
+        answer = store._retry(attempt, f"upload part {number} of {key}")
     except ClientError as exc:
         if extra and code_and_status(exc)[0] in BAD_DIGEST_CODES:
             raise StoredBytesMismatchError(
@@ -440,7 +448,7 @@ class SharedMultipart:
         checksum = _b64(hashlib.sha256(data).digest())
         part = send_part(self.store, self._client, name=self._prefix + upload.key,
                          key=upload.key, upload_id=upload.upload_id, number=number,
-                         piece=data, checksum=checksum)
+                         piece=data, checksum=checksum, alive=lambda: self._alive(upload))
         return PartRecord(number, len(data), offset, str(part["ETag"]), checksum)
 
     def copy(self, upload: SharedUpload, number: int, source: str, pinned: ObjectVersion,
@@ -464,8 +472,11 @@ class SharedMultipart:
                     CopySourceRange=f"bytes={start}-{start + length - 1}",
                     CopySourceIfMatch=etag)
             except ClientError as exc:
+                code, status = code_and_status(exc)
+                if code == "NoSuchUpload" or status >= 500:
+                    self._alive(upload)  # an upload aborted meanwhile ends the retries
                 if is_precondition_failed(exc) or is_not_found(exc) \
-                        or code_and_status(exc)[0] in ("NoSuchKey", "InvalidRange"):
+                        or code in ("NoSuchKey", "InvalidRange"):
                     return None
                 raise
             return dict(answer["CopyPartResult"])
