@@ -3,7 +3,7 @@
 ::
 
     chkq.stage ──► chord(chkq.fetch × batches: metadata only) ──► chkq.plan
-               ──► chord(chkq.part × parts, on any node) ──► chkq.assemble (publishes)
+               ──► chord(chkq.part × parts, on any node) ──► chkq.assemble (any node: publishes)
 
 For a run whose rows are all plain chunk bytes (:func:`chkq.consolidation.output_parts.eligible`),
 the staging worker fetches only the sources' metadata (the chunks are holes,
@@ -16,10 +16,12 @@ long source range is copied by the store itself (S3 ``UploadPartCopy``, a
 local store's ``copy_file_range``); any other part is built by whichever
 node takes it, from pinned ranged reads and the skeleton's bytes, which the
 assembly record carries (metadata: about a thousandth of a large output).
-``chkq.assemble`` completes the upload create-if-absent once every part is
-recorded, then proves the object from its metadata alone: its chunk index
-places every chunk where the plan put it, its structure is the template's,
-and the store's checksums are the parts'.
+The staging worker checks the skeleton against the template before it opens
+the upload; from then on every step reads what it needs from the records
+and the store, so the job survives the staging node's loss. ``chkq.assemble``
+completes the upload create-if-absent once every part is recorded, then
+proves the object from its metadata alone: its chunk index places every
+chunk where the plan put it, and the store's checksums are the parts'.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import bisect
 import dataclasses
 import logging
 import os
+import tempfile
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -65,8 +68,8 @@ from chkq.errors import (
     UnprovenJobError,
 )
 from chkq.jobs import keys
-from chkq.jobs.records import task_id
-from chkq.rundir import READ, fd_path
+from chkq.jobs.records import check_target, task_id
+from chkq.rundir import READ
 from chkq.staging import SourceObject, delete_sources
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.objects import ObjectChecksums
@@ -79,7 +82,6 @@ from chkq.tasks.from_store import (
     StoreJob,
     discard_workspace,
     job_ended,
-    own_queue,
     store_job,
 )
 from chkq.tasks.state import records
@@ -181,6 +183,7 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
                   for p in output_pieces(plan, size, maps)]
         parts = cut_parts(pieces, get_settings().upload_part_bytes)
         skeleton = _skeleton_bytes(plan, [p for p in pieces if p.source == SKELETON])
+        check_plan_output(plan)
         store = _destination(found)
         upload = store.begin_shared_upload(found.destination[1])
         recorded = records().record_assembly(job, {
@@ -194,9 +197,10 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
     log.info("job=%s spread over the nodes: %d parts of %d bytes, %d copied by the store, "
              "%d bytes built", job, len(parts), size, sum(p.copied for p in parts), built)
     out_dir, model = plan.out_dir, plan.model
+    # Any node assembles: what it needs is in the records, so losing this node from here on
+    # leaves the job to the others.
     assemble_sig = assemble.si(out_dir, model, job).set(
-        task_id=job, queue=found.queue,
-        link_error=[fail_signature(out_dir, model, job, found.queue)])
+        task_id=job, link_error=[fail_signature(out_dir, model, job)])
     sends = [send_part.si(job, index, bytes=part.length, copied=part.copied).set(
         task_id=task_id(job, "part", index)) for index, part in enumerate(parts)]
     chord(group(sends).set(task_id=task_id(job, "parts")), assemble_sig).apply_async()
@@ -302,9 +306,14 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
     if done is not None:
         return done
     found = store_job(job)
-    if found is None or not found.spread or found.queue != own_queue(self):
-        raise JobStateGoneError(f"job {job} is not a spread store job of this worker")
-    plan = records().load_plan(job, found.resolved_run_dir, found.run.model)
+    if found is None or not found.spread:
+        raise JobStateGoneError(f"job {job} is not a spread store job")
+    plan = records().layout_plan(job)
+    if plan is None:
+        raise JobStateGoneError(f"job {job} has no recorded plan: it failed, was cancelled, "
+                                "or its records expired")
+    # The planning worker's directory, maybe on another node: named, never touched.
+    check_target(job, (out_dir, found.run.model), (plan.out_dir, plan.model))
     upload, size, parts = _assembly(job)
     sent = records().parts(job)
     missing = [u for u in range(len(parts)) if u not in sent]
@@ -328,7 +337,6 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
         raise Ignore()
     store = _destination(found)
     key = found.destination[1]
-    check_plan_output(plan)
     expected = store.shared_upload_checksums(records_of)
     completed = store.exists(key) and checksums_match(store.checksums(key), expected)
     # Completed already: this step delivered again after it completed the upload.
@@ -382,15 +390,17 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
     """Prove the assembled object's metadata: the skeleton's, with every chunk where planned.
 
     Called once the store's checksums showed the object to be exactly the
-    parts sent. The skeleton bytes those parts were built from (the assembly
-    record's) must be this worker's skeleton's; the skeleton's chunk index,
-    read through HDF5 from its metadata, must give each raw dataset's
-    planned address for every chunk, of the planned size, unfiltered, with
-    the planned rows; and the object's first bytes, read back, must be the
-    skeleton's (the superblock). With the pieces derived from the sources'
-    own chunk indexes and each copy pinned to its source's version, every
-    row then lies where the output's own index says. No row is read, and of
-    the object only its first piece (a ranged read).
+    parts sent, on any node. The parts' skeleton bytes are the assembly
+    record's (sealed by the planning worker, which checked the skeleton
+    against the template before it opened the upload); laid out at their
+    offsets in a sparse file in this worker's scratch directory, their chunk
+    index, read through HDF5, must give each raw dataset's planned address
+    for every chunk, of the planned size, unfiltered, with the planned rows;
+    and the object's first bytes, read back, must be the skeleton's (the
+    superblock). With the pieces derived from the sources' own chunk indexes
+    and each copy pinned to its source's version, every row then lies where
+    the output's own index says. No row is read, and of the object only its
+    first piece (a ranged read).
 
     Raises
     ------
@@ -402,21 +412,18 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
                                   f"{size} were planned")
     pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
     recorded = _recorded_skeleton(plan.job_id)
-    with plan.open_run() as run:
-        fd = run.open_file(plan.job.temp, READ)
-    try:
-        check_descriptor(plan.job.temp, fd, plan.temp_inode)
+    head = pieces[0] if pieces and pieces[0].offset == 0 else None
+    if head is not None and store.get_range(key, 0, head.length) != recorded(0, head.length):
+        raise OutputMismatchError(f"the assembled {key} does not begin with its skeleton")
+    root = get_settings().scratch_root
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    checked = 0
+    with tempfile.NamedTemporaryFile(dir=root, prefix=f".{plan.job_id}-",
+                                     suffix=".skeleton") as image:
+        os.ftruncate(image.fileno(), size)
         for p in pieces:
-            if recorded(p.start, p.length) != os.pread(fd, p.length, p.start):
-                raise OutputMismatchError(f"the assembled {key}'s bytes {p.start}-"
-                                          f"{p.start + p.length} were not built from the "
-                                          "skeleton's")
-        head = pieces[0] if pieces and pieces[0].offset == 0 else None
-        if head is not None and store.get_range(key, 0, head.length) != os.pread(
-                fd, head.length, 0):
-            raise OutputMismatchError(f"the assembled {key} does not begin with its skeleton")
-        checked = 0
-        with h5py.File(fd_path(fd), "r", locking=False) as out:
+            os.pwrite(image.fileno(), recorded(p.start, p.length), p.start)
+        with h5py.File(image.name, "r", locking=False) as out:
             for d in plan.datasets:
                 dsid = out[d.name].id
                 found = [info for _, info in stored_chunks(dsid, tuple(d.chunk), dsid.shape)]
@@ -428,10 +435,8 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
                     raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} is not "
                                               f"{d.total} plain rows")
                 checked += len(found)
-    finally:
-        os.close(fd)
-    return (f"{checked} chunks placed as planned in the metadata the parts were built from, "
-            f"{len(pieces)} metadata runs and the superblock checked")
+    return (f"{checked} chunks placed as planned in the metadata the parts were built from "
+            f"({len(pieces)} runs), and the superblock read back")
 
 
 def abort_assembly(job: str, found: StoreJob) -> None:

@@ -1,9 +1,10 @@
 """Real faults in a store job spread over two nodes (moto's S3 server over HTTP).
 
-A node killed outright while it sends a part; the upload aborted under the
-job by ``chkq gc``; a source object replaced after it was pinned. Each ends
-in the whole verified output, or in a clear failure with nothing at the
-output's key and no unfinished upload left in the store.
+A node killed outright while it sends a part; the staging node lost for good
+once the parts are sent; the upload aborted under the job by ``chkq gc``; a
+source object replaced after it was pinned. Each ends in the whole verified
+output, or in a clear failure with nothing at the output's key and no
+unfinished upload left in the store.
 """
 
 from __future__ import annotations
@@ -98,6 +99,26 @@ def test_a_node_killed_while_it_sends_a_part_is_survived(
         job.wait_for_output(timeout=JOB_SECONDS)
     except Exception as exc:
         raise AssertionError(f"{exc}\n{job_lines(workers, job.id)}") from exc
+    output = fetched(store, "sim.h5", tmp_path)
+    assert_same_hdf5(output, reference_output(files, run_dir, {"reference": tmp_path /
+                                                               "reference"}, "sim"))
+    assert store.stray_uploads() == []
+
+
+def test_the_staging_node_lost_for_good_once_the_parts_are_sent_is_survived(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    workers = _two_nodes(make_cluster, tmp_path)
+    files, run_dir, url, store = _run_in_s3(tmp_path, s3_endpoint)
+    job = submit_store_consolidation("sim", url)
+    wait_for(lambda: _parts_sent(job) >= 1, JOB_SECONDS, "a part to be sent", interval=0.01)
+    staging = next(w for w in workers if _staging_queue(job).endswith(w.name))
+    staging.kill()
+    others = [w for w in workers if w is not staging]
+    try:
+        job.wait_for_output(timeout=JOB_SECONDS)
+    except Exception as exc:
+        raise AssertionError(f"{exc}\n{job_lines(others, job.id)}") from exc
+    assert staging.process.poll() is not None, "the staging node was not lost"
     output = fetched(store, "sim.h5", tmp_path)
     assert_same_hdf5(output, reference_output(files, run_dir, {"reference": tmp_path /
                                                                "reference"}, "sim"))

@@ -198,18 +198,34 @@ class JobRecords(SealedStore):
                 return cached
             _PLANS.pop(job)
             return None
+        plan = self._read_plan(job)
+        if plan is not None:
+            _PLANS.put(job, check_plan_paths(plan, job, f"the plan of job {job} ({key})",
+                                             self.allowed_roots))
+        return plan
+
+    def layout_plan(self, job: str) -> Plan | None:
+        """The plan of ``job`` as a layout, for a worker that touches none of its files.
+
+        A store job spread over the nodes is planned in one worker's scratch
+        directory and assembled by any: the plan then names another node's
+        paths, so it is read without the check that they lie in this worker's
+        directories (and never cached with the plans that passed it). Nothing
+        it names may be opened.
+        """
+        return self._read_plan(job)
+
+    def _read_plan(self, job: str) -> Plan | None:
+        key = keys.job_record(job, "plan")
         text = self.get_text(key)
         if text is None:
             return None
         from chkq.consolidation.plan import Plan
 
         try:
-            plan = Plan.from_json(text)
+            return Plan.from_json(text)
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise ForgedRecordError(f"job record {key} is not a plan: {exc}; refused") from None
-        _PLANS.put(job, check_plan_paths(plan, job, f"the plan of job {job} ({key})",
-                                         self.allowed_roots))
-        return plan
 
     def load_plan(self, job: str, out_dir: str, model: str) -> Plan:
         """The plan of ``job``, checked against the message's directory and model.
