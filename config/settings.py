@@ -17,13 +17,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from chkq.core_settings import CoreSettings
 from chkq.environment import CORE_VARIABLES, Variable
 from chkq.errors import ConfigurationError
-from chkq.log.signing import LogTrust, trust_from_files
 from chkq.stores.retry import StoreTimeouts
+
+if TYPE_CHECKING:
+    from chkq.core_settings import CoreSettings
+    from chkq.log.signing import LogTrust
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -294,10 +296,15 @@ class Settings:
         LogKeyError
             If a configured file cannot be used.
         """
+        # Loaded here: the log's keys need cryptography, which a client sending a job does not.
+        from chkq.log.signing import trust_from_files
+
         return trust_from_files(self.log_signing_key, self.log_trusted_keys)
 
     def core(self) -> CoreSettings:
         """What the core takes as arguments (:class:`chkq.core_settings.CoreSettings`)."""
+        from chkq.core_settings import CoreSettings
+
         return CoreSettings(timeouts=self.store_timeouts, trust=self.log_trust(),
                             max_checkpoint=self.log_max_checkpoint_bytes)
 

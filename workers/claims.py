@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from chkq.errors import ForgedRecordError, RunBusyError
+from chkq.jobs import keys
 from chkq.jobs.records import RECENT_LIMIT
 from chkq.tasks.state import job_status, records
 
@@ -27,11 +28,18 @@ def refuse_if_running(model: str, target: str) -> None:
         Naming the job that holds the run, and how to follow or cancel it.
     """
     held = records()
-    for job in held.recent_jobs(RECENT_LIMIT):
+    # An entry that cannot name a job's records (planted in Redis) holds no run.
+    recent = [job for job in held.recent_jobs(RECENT_LIMIT) if job and keys.SEP not in job]
+    infos = held.job_records_of(recent, "info", "a submission")
+    same = [job for job in recent if isinstance(infos[job], dict)
+            and infos[job].get("model") == model and infos[job].get("out_dir") == target]
+    # A job with a done marker succeeded (and one whose marker is refused is skipped, as
+    # its status would be): only the others need their whole status read.
+    done = held.job_records_of(same, "done", "a job's result", required="output")
+    for job in same:
+        if done[job] is not None:
+            continue
         try:
-            info = held.job_info(job)
-            if not info or info.get("model") != model or info.get("out_dir") != target:
-                continue
             status = job_status(job)
         except (LookupError, ForgedRecordError):
             continue

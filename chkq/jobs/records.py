@@ -52,6 +52,15 @@ def check_target(job: str, named: tuple[str, str], recorded: tuple[Any, Any]) ->
                               f"the job consolidates {recorded[0]!r}/{recorded[1]!r}")
 
 
+def _checked_dict(key: str, value: Any, kind: str, required: str | None) -> Any:
+    """``value`` read from ``key`` if it is None or a dict (with a text ``required``),
+    else the :class:`ForgedRecordError` that refuses it (kept if it is one already)."""
+    if value is None or isinstance(value, ForgedRecordError) or (isinstance(value, dict) and (
+            required is None or isinstance(value.get(required), str))):
+        return value
+    return ForgedRecordError(f"job record {key} is not {kind}: refused")
+
+
 class JobRecords(SealedStore):
     """A job's records in one Redis database (see :class:`chkq.jobs.sealed.SealedStore`).
 
@@ -67,10 +76,9 @@ class JobRecords(SealedStore):
     def _dict(self, job: str, what: str, kind: str, required: str | None = None
               ) -> dict[str, Any] | None:
         key = keys.job_record(job, what)
-        value = self.get(key)
-        if value is not None and not (isinstance(value, dict) and (
-                required is None or isinstance(value.get(required), str))):
-            raise ForgedRecordError(f"job record {key} is not {kind}: refused")
+        value = _checked_dict(key, self.get(key), kind, required)
+        if isinstance(value, ForgedRecordError):
+            raise value
         return value
 
     def _set_once(self, job: str, what: str, value: Any) -> Any:
@@ -297,6 +305,14 @@ class JobRecords(SealedStore):
     def job_info(self, job: str) -> dict[str, Any] | None:
         """What was recorded when ``job`` was submitted, or None."""
         return self._dict(job, "info", "a submission")
+
+    def job_records_of(self, jobs: list[str], what: str, kind: str,
+                       required: str | None = None) -> dict[str, Any]:
+        """The ``what`` record of each of ``jobs`` (one ``MGET``): a dict, None, or the
+        :class:`ForgedRecordError` that refuses it (as :meth:`job_info` would raise)."""
+        names = [keys.job_record(job, what) for job in jobs]
+        return {job: _checked_dict(key, value, kind, required)
+                for job, key, value in zip(jobs, names, self.get_many(names), strict=True)}
 
     def recent_jobs(self, limit: int = 20) -> list[str]:
         """Ids of the most recently submitted jobs, newest first."""

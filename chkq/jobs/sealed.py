@@ -103,6 +103,23 @@ class SealedStore:
         raw = self.client.get(key)
         return None if raw is None else self.parse(key, "", self.unseal(key, "", raw))
 
+    def get_many(self, keys: list[str]) -> list[Any | ForgedRecordError]:
+        """The values recorded under ``keys`` (one ``MGET``), each checked as :meth:`get`.
+
+        A value that is refused is given as its :class:`ForgedRecordError`, in its
+        place, so that one planted record does not hide the others.
+        """
+        if not keys:
+            return []
+        values: list[Any | ForgedRecordError] = []
+        for key, raw in zip(keys, self.client.mget(keys), strict=True):
+            try:
+                values.append(None if raw is None
+                              else self.parse(key, "", self.unseal(key, "", raw)))
+            except ForgedRecordError as exc:
+                values.append(exc)
+        return values
+
     def get_text(self, key: str) -> str | None:
         """The checked JSON text recorded under ``key``, or None."""
         raw = self.client.get(key)

@@ -13,14 +13,13 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from chkq.stores.base import CheckpointStore, InvalidKeyError, TransientStoreError
-from chkq.stores.local import LocalDirectoryStore
-from chkq.stores.memory import MemoryStore
-from chkq.stores.url import open_store
-
 if TYPE_CHECKING:
+    from chkq.stores.base import CheckpointStore, InvalidKeyError, TransientStoreError
     from chkq.stores.gcs import GCSStore
+    from chkq.stores.local import LocalDirectoryStore
+    from chkq.stores.memory import MemoryStore
     from chkq.stores.s3 import S3Store
+    from chkq.stores.url import open_store
 
 __all__ = [
     "CheckpointStore",
@@ -33,11 +32,18 @@ __all__ = [
     "open_store",
 ]
 
-_LAZY = {"S3Store": "chkq.stores.s3", "GCSStore": "chkq.stores.gcs"}
+#: Every name's module, imported on first use: a module of the package (the retry
+#: policy the settings read) loads without the stores themselves.
+_LAZY = {"S3Store": "chkq.stores.s3", "GCSStore": "chkq.stores.gcs",
+         "CheckpointStore": "chkq.stores.base", "InvalidKeyError": "chkq.stores.base",
+         "TransientStoreError": "chkq.stores.base", "LocalDirectoryStore": "chkq.stores.local",
+         "MemoryStore": "chkq.stores.memory", "open_store": "chkq.stores.url"}
 
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'chkq.stores' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
