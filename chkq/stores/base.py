@@ -28,12 +28,7 @@ from chkq.errors import InvalidKeyError, StoreNotFoundError, TransientStoreError
 from chkq.stores.keys import bucket_prefix, validate_key, validate_prefix
 from chkq.stores.objects import FileAccess, ObjectChecksums, ObjectVersion, StrayUpload
 from chkq.stores.retry import StoreTimeouts, overall_budget, retry_transient
-from chkq.stores.shared_upload import (
-    MAX_PART,
-    MAX_PART_NUMBER,
-    PartRecord,
-    SharedUpload,
-)
+from chkq.stores.shared_upload import PartRecord, SharedUpload, check_part, check_upload
 from chkq.stores.uploads import BufferedUpload, PartsUpload
 
 __all__ = [
@@ -372,7 +367,7 @@ class CheckpointStore(ABC):
         """
         self._shared_capable()
         data = bytes(data)
-        self._check_part(upload, number, offset, len(data))
+        check_part(self.url, upload, number, offset, len(data))
         return self._put_part(upload, number, data, offset)
 
     def copy_part(self, upload: SharedUpload, number: int, source_key: str,
@@ -400,7 +395,7 @@ class CheckpointStore(ABC):
         if start < 0 or length < 1 or start + length > pinned.size:
             raise ValueError(f"store {self.url}: range {start}+{length} of {source_key} is "
                              f"not within its {pinned.size} bytes (a copied part is not empty)")
-        self._check_part(upload, number, offset, length)
+        check_part(self.url, upload, number, offset, length)
         return self._copy_part(upload, number, source_key, pinned, start, length, offset)
 
     def complete_shared_upload(self, upload: SharedUpload,
@@ -434,13 +429,13 @@ class CheckpointStore(ABC):
             bytes differ).
         """
         self._shared_capable()
-        self._check_upload(upload)
+        check_upload(upload)
         return self._complete_shared_upload(upload, builtins.list(parts))
 
     def abort_shared_upload(self, upload: SharedUpload) -> None:
         """Drop ``upload`` and every part of it; aborting again, or once complete, is a no-op."""
         self._shared_capable()
-        self._check_upload(upload)
+        check_upload(upload)
         self._abort_shared_upload(upload)
 
     def shared_upload_checksums(self, parts: builtins.list[PartRecord]) -> ObjectChecksums:
@@ -454,24 +449,6 @@ class CheckpointStore(ABC):
         without reading it.
         """
         return ObjectChecksums(size=sum(part.size for part in parts))
-
-    @staticmethod
-    def _check_upload(upload: SharedUpload) -> None:
-        if not isinstance(upload, SharedUpload):
-            raise TypeError(f"a shared upload is a SharedUpload, not {type(upload).__name__}")
-
-    def _check_part(self, upload: SharedUpload, number: int, offset: int, size: int) -> None:
-        self._check_upload(upload)
-        if isinstance(number, bool) or not isinstance(number, int) \
-                or not 1 <= number <= MAX_PART_NUMBER:
-            raise ValueError(f"store {self.url}: part number {number!r} of {upload.key} is not "
-                             f"1 to {MAX_PART_NUMBER}")
-        if offset < 0:
-            raise ValueError(f"store {self.url}: part {number} of {upload.key}: offset "
-                             f"{offset} is negative")
-        if size > MAX_PART:
-            raise ValueError(f"store {self.url}: part {number} of {upload.key} has {size} "
-                             f"bytes, more than the {MAX_PART} a part may have")
 
     def _shared_capable(self) -> None:
         if not self.supports_shared_uploads:

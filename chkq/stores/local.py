@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import os
-import re
-import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from chkq.errors import (
-    BadMessageError,
     BadNameError,
-    CheckpointChangedError,
-    StoredBytesMismatchError,
     SymlinkInStoreError,  # noqa: F401 (re-exported)
 )
 from chkq.rundir import fd_path
@@ -42,15 +36,15 @@ from chkq.stores.base import (
 )
 from chkq.stores.local_files import (
     PRIVATE_PREFIX,
-    READ_FLAGS,
     TMP_DIR,
     UPLOAD_SUFFIX,
     PrivateFile,
     remove_private,
     stamp_of,
 )
-from chkq.stores.local_tree import StoreTree
-from chkq.stores.shared_upload import PIN_READ, PartRecord, SharedUpload, validate_parts
+from chkq.stores.local_tree import StoreTree, still_pinned
+from chkq.stores.local_upload import LocalUpload, SharedPrivateFile
+from chkq.stores.shared_upload import PartRecord, SharedUpload
 
 __all__ = ["LocalDirectoryStore", "SymlinkInStoreError"]
 
@@ -118,12 +112,7 @@ class LocalDirectoryStore(CheckpointStore):
         ``named``: in a private directory (a rename needs a name to move),
         even where the filesystem has ``O_TMPFILE``.
         """
-        root = self._tree.open_root(create=True)
-        assert root is not None
-        try:
-            temp = PrivateFile(self.url, root, named=named)
-        finally:
-            os.close(root)
+        temp = self._tree.new_file(named=named)
         try:
             temp.write(data)
             os.fsync(temp.fd)
@@ -166,21 +155,10 @@ class LocalDirectoryStore(CheckpointStore):
 
     def _read(self, key: str, size: int, offset: int = 0) -> bytes:
         """The object's ``size`` bytes from ``offset`` (all for -1)."""
-        with self._tree.parent(key, create=False) as (parent, name):
-            if parent is None:
+        with self._tree.object_fd(key) as fd:
+            if fd is None:
                 raise KeyError(key)
-            try:
-                fd = os.open(name, READ_FLAGS, dir_fd=parent)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                raise KeyError(key) from None
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self._tree.refuse_link(key) from None
-                raise
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory, FIFO, device...
-                os.close(fd)
-                raise KeyError(key)
-            with open(fd, "rb", closefd=True) as fh:
+            with open(fd, "rb", closefd=False) as fh:
                 if offset:
                     fh.seek(offset)
                 return fh.read(size)
@@ -188,55 +166,20 @@ class LocalDirectoryStore(CheckpointStore):
     def _get_at_most(self, key: str, limit: int) -> bytes:
         return self._read(key, limit + 1)
 
-    @staticmethod
-    def _stamp(found: os.stat_result) -> ObjectVersion:
-        return stamp_of(found)
-
-
     def _version(self, key: str) -> ObjectVersion:
         with self._tree.parent(key, create=False) as (parent, name):
             found = self._tree.lstat(parent, name)
         if found is None or not stat.S_ISREG(found.st_mode):
             raise KeyError(key)
-        return self._stamp(found)
-
-    @contextlib.contextmanager
-    def _pinned(self, key: str, pinned: ObjectVersion) -> Iterator[int | None]:
-        """The object's file, open, if it is the ``pinned`` version (else None); closed after.
-
-        The caller checks :meth:`_still` once it has read what it needs.
-        """
-        with self._tree.parent(key, create=False) as (parent, name):
-            if parent is None:
-                yield None
-                return
-            try:
-                fd = os.open(name, READ_FLAGS, dir_fd=parent)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                yield None
-                return
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:
-                    raise self._tree.refuse_link(key) from None
-                raise
-            try:
-                before = os.fstat(fd)
-                yield fd if stat.S_ISREG(before.st_mode) and self._stamp(before) == pinned \
-                    else None
-            finally:
-                os.close(fd)
-
-    def _still(self, fd: int, pinned: ObjectVersion) -> bool:
-        """Whether the file open as ``fd`` is still the ``pinned`` version."""
-        return self._stamp(os.fstat(fd)) == pinned
+        return stamp_of(found)
 
     def _get_range_pinned(self, key: str, pinned: ObjectVersion, start: int,
                           length: int) -> bytes | None:
-        with self._pinned(key, pinned) as fd:
+        with self._tree.pinned(key, pinned) as fd:
             if fd is None:
                 return None
             data = os.pread(fd, length, start)
-            return data if self._still(fd, pinned) else None
+            return data if still_pinned(fd, pinned) else None
 
     @property
     def supports_links(self) -> bool:
@@ -277,25 +220,9 @@ class LocalDirectoryStore(CheckpointStore):
                 os.link(fd_path(fd), name, dst_dir_fd=parent, follow_symlinks=True)
             except FileExistsError:
                 return None
-            self._check_linked(parent, name, fd, key)
+            self._tree.check_linked(parent, name, fd, key)
             os.fsync(parent)
-        return self._stamp(os.fstat(fd))
-
-    def _check_linked(self, parent: int, name: str, fd: int, key: str) -> None:
-        """Make sure ``name`` in ``parent`` is the file open as ``fd`` (just linked or renamed).
-
-        Raises
-        ------
-        StoredBytesMismatchError
-            If it is another file: whoever can write the directory replaced
-            it at once; that file is left as it is.
-        """
-        mine, found = os.fstat(fd), self._tree.lstat(parent, name)
-        if found is None or (found.st_dev, found.st_ino) != (mine.st_dev, mine.st_ino):
-            raise StoredBytesMismatchError(
-                f"store {self.url}: {key} was replaced by another file right after this "
-                "write made it (someone else writes the store's directory); that file was "
-                "left as found")
+        return stamp_of(os.fstat(fd))
 
     def link_to(self, key: str, pinned: ObjectVersion, dir_fd: int, name: str) -> bool:
         """Hard-link the object ``key``, if it is still ``pinned``, as ``name`` in ``dir_fd``.
@@ -326,7 +253,7 @@ class LocalDirectoryStore(CheckpointStore):
             except (FileNotFoundError, NotADirectoryError):
                 return False
         found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(found.st_mode) or self._stamp(found) != pinned:
+        if not stat.S_ISREG(found.st_mode) or stamp_of(found) != pinned:
             os.unlink(name, dir_fd=dir_fd)
             return False
         return True
@@ -356,7 +283,7 @@ class LocalDirectoryStore(CheckpointStore):
     # publishing from parts -----------------------------------------------------------
 
     def _upload(self, key: str, *, part_size: int | None, checksum: bool) -> PartsUpload:
-        return _LocalUpload(self, key)
+        return LocalUpload(self, self._tree, key)
 
     def _stray_uploads(self, prefix: str) -> list[StrayUpload]:
         """What killed writers left: this user's private directories, old ``.chkq-tmp`` uploads.
@@ -415,189 +342,23 @@ class LocalDirectoryStore(CheckpointStore):
     def supports_shared_uploads(self) -> bool:
         return True
 
+    @property
+    def _shared(self) -> SharedPrivateFile:
+        return SharedPrivateFile(self, self._tree)
+
     def _begin_shared_upload(self, key: str) -> SharedUpload:
-        """A file in a new private directory ``.chkq-tmp-ID`` (mode 0700) at the root.
-
-        Every writer of the upload must run as this user (the directory is
-        checked to be theirs alone) on a filesystem that reaches the store.
-        """
-        self._tree.parts(key)
-        root = self._tree.open_root(create=True)
-        assert root is not None
-        try:
-            temp = PrivateFile(self.url, root, named=True)
-        finally:
-            os.close(root)
-        temp.detach()
-        return SharedUpload(key, temp.dir_name[len(PRIVATE_PREFIX):], secrets.token_hex(16))
-
-    @contextlib.contextmanager
-    def _shared_file(self, upload: SharedUpload) -> Iterator[PrivateFile]:
-        """The upload's file, open (left in place afterwards unless the caller closes it)."""
-        if not re.fullmatch(r"[0-9a-f]{32}", upload.upload_id):
-            raise BadMessageError(f"store {self.url}: {upload.upload_id!r} is no shared "
-                                  "upload of a local directory (32 hex digits)")
-        root = self._tree.open_root(create=False)
-        found = None
-        try:
-            if root is not None:
-                found = PrivateFile.resume(self.url, root, PRIVATE_PREFIX + upload.upload_id)
-        finally:
-            if root is not None:
-                os.close(root)
-        if found is None:
-            raise KeyError(f"store {self.url}: no shared upload {upload.upload_id} of "
-                           f"{upload.key} (completed or aborted)")
-        try:
-            yield found
-        finally:
-            found.detach()
-
-    @staticmethod
-    def _sha256_of(fd: int, start: int, length: int) -> str:
-        digest, end = hashlib.sha256(), start + length
-        while start < end:
-            piece = os.pread(fd, min(PIN_READ, end - start), start)
-            if not piece:
-                break
-            digest.update(piece)
-            start += len(piece)
-        return digest.hexdigest()
+        return self._shared.begin(key)
 
     def _put_part(self, upload: SharedUpload, number: int, data: bytes,
                   offset: int) -> PartRecord:
-        with self._shared_file(upload) as temp:
-            view, at = memoryview(data), offset
-            while view:
-                written = os.pwrite(temp.fd, view, at)
-                view, at = view[written:], at + written
-            os.fsync(temp.fd)
-        return PartRecord(number, len(data), offset, "", hashlib.sha256(data).hexdigest())
+        return self._shared.put(upload, number, data, offset)
 
     def _copy_part(self, upload: SharedUpload, number: int, source_key: str,
                    pinned: ObjectVersion, start: int, length: int, offset: int) -> PartRecord:
-        """``copy_file_range`` from the source file, its version checked before and after."""
-        changed = CheckpointChangedError(
-            f"store {self.url}: {source_key} changed since it was pinned (replaced, "
-            f"rewritten or deleted): part {number} of {upload.key} was not copied from it")
-        with self._shared_file(upload) as temp, self._pinned(source_key, pinned) as source:
-            if source is None:
-                raise changed
-            self._copy_range(source, temp.fd, start, length, offset, changed)
-            if not self._still(source, pinned):
-                raise changed
-            os.fsync(temp.fd)
-            checksum = self._sha256_of(temp.fd, offset, length)
-        return PartRecord(number, length, offset, "", checksum)
-
-    @staticmethod
-    def _copy_range(source: int, target: int, start: int, length: int, offset: int,
-                    changed: Exception) -> None:
-        done = 0
-        while done < length:
-            try:
-                copied = os.copy_file_range(source, target, length - done, start + done,
-                                            offset + done)
-            except OSError as exc:
-                if exc.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS,
-                                     errno.EOPNOTSUPP):
-                    raise
-                piece = os.pread(source, min(PIN_READ, length - done), start + done)
-                copied = len(piece)
-                view = memoryview(piece)
-                at = offset + done
-                while view:
-                    written = os.pwrite(target, view, at)
-                    view, at = view[written:], at + written
-            if copied == 0:
-                raise changed  # the source is shorter than its pinned size
-            done += copied
+        return self._shared.copy(upload, number, source_key, pinned, start, length, offset)
 
     def _complete_shared_upload(self, upload: SharedUpload, parts: list[PartRecord]) -> bool:
-        """Each part's SHA-256 checked, the file fsynced and linked into place, create-if-absent.
-
-        A completion asked again after one that linked the file and stopped
-        before removing its directory finds the object to be the file itself:
-        True.
-        """
-        size = validate_parts(upload, parts)
-        self._tree.parts(upload.key)
-        with self._shared_file(upload) as temp:
-            for part in parts:
-                if self._sha256_of(temp.fd, part.offset, part.size) != part.checksum:
-                    raise StoredBytesMismatchError(
-                        f"store {self.url}: part {part.number} of {upload.key} ({part.size} "
-                        f"bytes at {part.offset}) is not the bytes its record says (SHA-256 "
-                        f"{part.checksum}): it was never put, or put again with other bytes")
-            if os.fstat(temp.fd).st_size != size:
-                os.ftruncate(temp.fd, size)
-            os.fsync(temp.fd)
-            with self._tree.parent(upload.key, create=True) as (parent, name):
-                assert parent is not None
-                created = temp.link(parent, name, upload.key)
-                if not created:
-                    found, mine = self._tree.lstat(parent, name), os.fstat(temp.fd)
-                    created = found is not None and (found.st_dev, found.st_ino) == (
-                        mine.st_dev, mine.st_ino)
-                else:
-                    self._check_linked(parent, name, temp.fd, upload.key)
-                os.fsync(parent)
-            temp.close()
-        return created
+        return self._shared.complete(upload, parts)
 
     def _abort_shared_upload(self, upload: SharedUpload) -> None:
-        if not re.fullmatch(r"[0-9a-f]{32}", upload.upload_id):
-            raise BadMessageError(f"store {self.url}: {upload.upload_id!r} is no shared "
-                                  "upload of a local directory (32 hex digits)")
-        self._abort_upload(StrayUpload("", PRIVATE_PREFIX + upload.upload_id, 0.0))
-
-
-class _LocalUpload(PartsUpload):
-    """Parts appended to a :class:`PrivateFile` only this process reaches, linked into place.
-
-    The file gets the upload's :attr:`~chkq.stores.base.PartsUpload.access`
-    before it has a name; ``linkat`` fails if the key exists, so completion
-    is create-if-absent against every other writer, and the name made is
-    checked to be the file written.
-    """
-
-    store: LocalDirectoryStore
-
-    def __init__(self, store: LocalDirectoryStore, key: str) -> None:
-        super().__init__(store, key)
-        store._tree.parts(key)
-        root = store._tree.open_root(create=True)
-        assert root is not None
-        try:
-            self._temp: PrivateFile | None = PrivateFile(store.url, root)
-        finally:
-            os.close(root)
-        self.upload_id = self._temp.dir_name
-
-    def _write(self, data: bytes) -> None:
-        assert self._temp is not None
-        self._temp.write(data)
-
-    def _complete(self) -> bool:
-        temp = self._temp
-        assert temp is not None
-        temp.give(self.access)
-        os.fsync(temp.fd)
-        with self.store._tree.parent(self.key, create=True) as (parent, name):
-            assert parent is not None
-            if self.store._tree.lstat(parent, name) is not None:
-                return False
-            if not temp.link(parent, name, self.key):
-                return False
-            os.fsync(parent)
-        self.version = temp.version()
-        self._close()
-        return True
-
-    def _close(self) -> None:
-        if self._temp is not None:
-            self._temp.close()
-            self._temp = None
-
-    def _abort(self) -> None:
-        self._close()
+        self._shared.abort(upload)

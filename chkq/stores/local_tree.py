@@ -3,7 +3,9 @@
 Every operation of a local store starts at its root and opens each
 directory of a key with ``openat(O_NOFOLLOW)`` relative to the last, so
 that a symbolic link planted anywhere in the store is refused (or skipped,
-in listings) instead of followed.
+in listings) instead of followed. The store and its uploads
+(:mod:`chkq.stores.local_upload`) open objects, make their private files and
+check the names they link through it too.
 """
 
 from __future__ import annotations
@@ -16,14 +18,28 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from chkq.errors import SymlinkInStoreError
+from chkq.errors import StoredBytesMismatchError, SymlinkInStoreError
 from chkq.stores.base import InvalidKeyError
-from chkq.stores.local_files import DIR_FLAGS, PRIVATE_PREFIX, TMP_DIR, reserved_name
+from chkq.stores.local_files import (
+    DIR_FLAGS,
+    PRIVATE_PREFIX,
+    READ_FLAGS,
+    TMP_DIR,
+    PrivateFile,
+    reserved_name,
+    stamp_of,
+)
+from chkq.stores.objects import ObjectVersion
 
 log = logging.getLogger(__name__)
 
 MAX_KEY_DEPTH = 32
 """Deepest key (in ``/``-separated components) a listing descends to."""
+
+
+def still_pinned(fd: int, pinned: ObjectVersion) -> bool:
+    """Whether the file open as ``fd`` is (still) the ``pinned`` version."""
+    return stamp_of(os.fstat(fd)) == pinned
 
 
 class StoreTree:
@@ -159,6 +175,82 @@ class StoreTree:
             return os.stat(name, dir_fd=fd, follow_symlinks=False)
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def new_file(self, *, named: bool = False) -> PrivateFile:
+        """A new :class:`PrivateFile` of the store, the root made if missing.
+
+        ``named``: in a private directory (a rename, or another process, needs a
+        name), even where the filesystem has ``O_TMPFILE``.
+        """
+        root = self.open_root(create=True)
+        assert root is not None
+        try:
+            return PrivateFile(self.url, root, named=named)
+        finally:
+            os.close(root)
+
+    def resume_file(self, name: str) -> PrivateFile | None:
+        """The file of the private directory ``name`` at the root (:meth:`PrivateFile.resume`);
+        None if it or the root is gone."""
+        root = self.open_root(create=False)
+        if root is None:
+            return None
+        try:
+            return PrivateFile.resume(self.url, root, name)
+        finally:
+            os.close(root)
+
+    @contextlib.contextmanager
+    def object_fd(self, key: str) -> Iterator[int | None]:
+        """The object's file, open to read (None if there is no such object); closed after.
+
+        Raises
+        ------
+        SymlinkInStoreError
+            If the object's name is a symbolic link.
+        """
+        with self.parent(key, create=False) as (parent, name):
+            if parent is None:
+                yield None
+                return
+            try:
+                fd = os.open(name, READ_FLAGS, dir_fd=parent)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                yield None
+                return
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise self.refuse_link(key) from None
+                raise
+            try:
+                yield fd if stat.S_ISREG(os.fstat(fd).st_mode) else None  # not a FIFO, device...
+            finally:
+                os.close(fd)
+
+    @contextlib.contextmanager
+    def pinned(self, key: str, pinned: ObjectVersion) -> Iterator[int | None]:
+        """The object's file, open, if it is the ``pinned`` version (else None); closed after.
+
+        The caller checks :func:`still_pinned` once it has read what it needs.
+        """
+        with self.object_fd(key) as fd:
+            yield fd if fd is not None and still_pinned(fd, pinned) else None
+
+    def check_linked(self, parent: int, name: str, fd: int, key: str) -> None:
+        """Make sure ``name`` in ``parent`` is the file open as ``fd`` (just linked or renamed).
+
+        Raises
+        ------
+        StoredBytesMismatchError
+            If it is another file: whoever can write the directory replaced
+            it at once; that file is left as it is.
+        """
+        mine, found = os.fstat(fd), self.lstat(parent, name)
+        if found is None or (found.st_dev, found.st_ino) != (mine.st_dev, mine.st_ino):
+            raise StoredBytesMismatchError(
+                f"store {self.url}: {key} was replaced by another file right after this "
+                "write made it (someone else writes the store's directory); that file was "
+                "left as found")
 
     def keys(self, prefix: str) -> list[str]:
         """The keys that start with ``prefix``, links and reserved names left out."""

@@ -15,9 +15,11 @@ it (:meth:`~chkq.stores.base.CheckpointStore.abort_shared_upload`).
 Records come back from other processes through a broker, so
 :meth:`SharedUpload.from_record` and :meth:`PartRecord.from_record` treat
 them as untrusted input (:class:`~chkq.errors.BadMessageError`). The part
-rules every store shares (:func:`validate_parts`) and the checksums a
-completed object must have (:func:`composite_sha256`, :func:`combined_crc32c`,
-:func:`checksums_match`) live here too.
+rules every store shares (:func:`check_part` of each part as it is added,
+:func:`validate_parts` of them all on completion), the errors every store
+raises alike (:func:`check_random_id`, :func:`source_changed`) and the
+checksums a completed object must have (:func:`composite_sha256`,
+:func:`combined_crc32c`, :func:`checksums_match`) live here too.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from chkq.errors import BadMessageError, BadMessageTypeError
+from chkq.errors import BadMessageError, BadMessageTypeError, CheckpointChangedError
 from chkq.stores.keys import validate_key
 from chkq.stores.objects import ObjectChecksums
 
@@ -39,11 +41,15 @@ __all__ = [
     "PIN_READ",
     "PartRecord",
     "SharedUpload",
+    "check_part",
+    "check_random_id",
+    "check_upload",
     "checksums_match",
     "combined_crc32c",
     "composite_sha256",
     "multipart_etag",
     "crc32c_combine",
+    "source_changed",
     "validate_parts",
 ]
 
@@ -199,6 +205,64 @@ class PartRecord:
         return cls(*(_field(found, name, kind, what) for name, kind in (
             ("number", int), ("size", int), ("offset", int), ("etag", str),
             ("checksum", str))))
+
+
+def check_upload(upload: SharedUpload) -> None:
+    """Refuse anything but a :class:`SharedUpload` where a store is handed one.
+
+    Raises
+    ------
+    TypeError
+        If ``upload`` is of another type, naming it.
+    """
+    if not isinstance(upload, SharedUpload):
+        raise TypeError(f"a shared upload is a SharedUpload, not {type(upload).__name__}")
+
+
+def check_part(url: str, upload: SharedUpload, number: int, offset: int, size: int) -> None:
+    """Check a part as it is put or copied into ``upload`` of the store ``url``.
+
+    Raises
+    ------
+    ValueError
+        If the number is not 1 to :data:`MAX_PART_NUMBER`, ``offset`` is
+        negative or ``size`` is more than :data:`MAX_PART`, naming the store,
+        the part and the key.
+    """
+    check_upload(upload)
+    if isinstance(number, bool) or not isinstance(number, int) \
+            or not 1 <= number <= MAX_PART_NUMBER:
+        raise ValueError(f"store {url}: part number {number!r} of {upload.key} is not "
+                         f"1 to {MAX_PART_NUMBER}")
+    if offset < 0:
+        raise ValueError(f"store {url}: part {number} of {upload.key}: offset "
+                         f"{offset} is negative")
+    if size > MAX_PART:
+        raise ValueError(f"store {url}: part {number} of {upload.key} has {size} "
+                         f"bytes, more than the {MAX_PART} a part may have")
+
+
+def check_random_id(url: str, upload: SharedUpload, store: str) -> None:
+    """Refuse an upload id that a store naming its uploads by 32 random hex digits never gave.
+
+    Raises
+    ------
+    BadMessageError
+        If the id is not 32 lowercase hex digits (``store`` says which kind of
+        store, for the message).
+    """
+    if not _WRITE_ID.fullmatch(upload.upload_id):
+        raise BadMessageError(f"store {url}: {upload.upload_id!r} is no shared "
+                              f"upload of {store} (32 hex digits)")
+
+
+def source_changed(url: str, source: str, upload: SharedUpload, number: int,
+                   how: str = "replaced or deleted") -> CheckpointChangedError:
+    """The error of a part copied from ``source`` of the store ``url``, which is not the
+    version pinned any more (``how``: what may have become of it)."""
+    return CheckpointChangedError(
+        f"store {url}: {source} changed since it was pinned ({how}): part {number} of "
+        f"{upload.key} was not copied from it")
 
 
 def validate_parts(upload: SharedUpload, parts: Sequence[PartRecord], *,
