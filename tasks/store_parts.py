@@ -159,8 +159,9 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
     """Lay out the output, open its upload (once), and send its parts, assembly as callback.
 
     Runs on the staging worker, where the sources' metadata and the skeleton
-    are. Delivered again, it sends the same parts (same ids) to the upload
-    recorded first; an upload it opened and lost the record to is aborted.
+    are, and removes them once the parts are sent. Delivered again, it sends
+    the same parts (same ids) to the upload recorded first, from the
+    records; an upload it opened and lost the record to is aborted.
     """
     job = plan.job_id
     if records().assembly(job) is None:
@@ -204,6 +205,8 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
     sends = [send_part.si(job, index, bytes=part.length, copied=part.copied).set(
         task_id=task_id(job, "part", index)) for index, part in enumerate(parts)]
     chord(group(sends).set(task_id=task_id(job, "parts")), assemble_sig).apply_async()
+    # The mirrors and the skeleton are needed no more: every later step reads the records.
+    discard_workspace(job)
 
 
 def _part_message(self: ChkqTask, job: str, unit: int, **what: Any) -> Checked:
