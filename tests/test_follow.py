@@ -21,10 +21,9 @@ from pathlib import Path
 import h5py
 import pytest
 
-from chkq.consolidation.driver import consolidate_here
 from chkq.demo import RunShape, write_checkpoint_file
 from support import fake_simulation, follow_reader
-from support.helpers import assert_same_hdf5, wait_for
+from support.helpers import assert_same_hdf5, one_shot, wait_for
 from support.plugins.cluster import WorkerProcess
 
 pytestmark = pytest.mark.cluster
@@ -38,17 +37,6 @@ def start_follow(out_dir: Path, log: Path, *options: str) -> subprocess.Popen[st
             [sys.executable, "-m", "chkq.workers.cli", "consolidate", "sim", "--out-dir",
              str(out_dir), "--follow", *options],
             stdout=sink, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def start_reader(out_dir: Path, stop: Path, result: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, follow_reader.__file__, str(out_dir), "sim",
-                             str(stop), str(result)])
-
-
-def one_shot(out_dir: Path, into: Path) -> Path:
-    """The same checkpoints consolidated once, in a copy of the run."""
-    shutil.copytree(out_dir, into, ignore=shutil.ignore_patterns("sim.h5", "done"))
-    return consolidate_here(into, "sim")
 
 
 def versions_in(log: Path) -> list[str]:
@@ -66,7 +54,7 @@ def test_a_reader_sees_only_whole_verified_versions_and_the_last_is_the_one_shot
     done = run / "done"
     sim = fake_simulation.start(run, "sim", 6, writers, 0.6, "--trials", "180",
                                 "--done", str(done), *options)
-    reader = start_reader(run, stop, seen)
+    reader = follow_reader.start(run, "sim", stop, seen)
     log = tmp_path / "follow.log"
     follower = start_follow(run, log, "--done-file", str(done))
     try:

@@ -201,3 +201,101 @@ def test_watch_consolidates_from_the_store_for_workers_that_see_no_run_directory
     reference = submit_consolidation("sim", out_dir).wait_for_output(timeout=TIMEOUT)
     assert isinstance(reference, Path)
     assert_same_hdf5(published, reference)
+
+
+def versions_in(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("version ")]
+
+
+def watch_env(on: str) -> dict[str, str]:
+    """The environment of a watch on the test's cluster, or on an embedded one (no broker)."""
+    if on == "cluster":
+        return dict(os.environ)
+    return {k: v for k, v in os.environ.items()
+            if k not in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND")}
+
+
+def assert_all_committed(store: str, out_dir: Path, files: list[Path]) -> None:
+    """The log's run r1 holds every file under its name, byte for byte."""
+    log = CheckpointLog(open_store(store), "r1")
+    by_name = {e.name: e for e in log.entries()}
+    assert sorted(by_name) == sorted(str(f.relative_to(out_dir)) for f in files)
+    for f in files:
+        assert log.load(by_name[str(f.relative_to(out_dir))].id) == f.read_bytes(), f
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("on, writers", [("embedded", 0), ("cluster", 2)],
+                         ids=["embedded-files", "cluster-directories"])
+def test_watch_consolidate_keeps_the_output_current_and_ends_with_the_one_shot(
+        tmp_path: Path, request: pytest.FixtureRequest, on: str, writers: int) -> None:
+    """``chkq watch --consolidate`` beside a running simulation: a reader sees whole versions
+    of sim.h5 while the run goes on, the last equals a one-shot consolidation, and every
+    checkpoint file is in the log."""
+    import json
+
+    from support import follow_reader
+    from support.helpers import assert_same_hdf5, one_shot
+
+    if on == "cluster":
+        request.getfixturevalue("worker")
+    run, stop, seen = tmp_path / "run", tmp_path / "stop", tmp_path / "seen.json"
+    run.mkdir()
+    done = tmp_path / "done"
+    store = f"file://{tmp_path / 'store'}"
+    sim = fake_simulation.start(run, "sim", 6, writers, 0.6, "--trials", "150",
+                                "--done", str(done))
+    reader = follow_reader.start(run, "sim", stop, seen)
+    log_path = tmp_path / "watch.log"
+    with open(log_path, "w") as sink:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "chkq.workers.cli", "watch", str(run), "sim",
+             "--store", store, "--run", "r1", "--consolidate", "--done-file", str(done),
+             "--interval", "0.2", "--workers", "1"],
+            stdout=sink, stderr=subprocess.STDOUT, text=True, env=watch_env(on))
+    try:
+        assert sim.wait(TIMEOUT) == 0
+        assert watch.wait(TIMEOUT) == 0, log_path.read_text()
+    finally:
+        stop.touch()
+        reader.wait(30)
+    found = json.loads(seen.read_text())
+    said = log_path.read_text()
+    assert found["errors"] == [], found
+    assert len(found["seen"]) >= 2 and found["seen"] == sorted(found["seen"]), (found, said)
+    assert found["seen"][-1] == 6, found
+    assert len(versions_in(said)) >= 2, said
+    output = run / "sim.h5"
+    assert said.splitlines()[-1] == str(output), said
+    assert_same_hdf5(output, one_shot(run, tmp_path / "again"))
+    files = sorted(p for p in run.glob("sim_chk*") if p.suffix == ".h5") \
+        + sorted(run.glob("sim_chk*/thread_*.h5"))
+    assert len(files) == (6 * writers or 6)
+    assert_all_committed(store, run, files)
+    assert not list(run.glob(".chkq-*")), "temporaries left behind"
+
+
+@pytest.mark.cluster
+def test_watch_consolidate_cleanup_deletes_the_checkpoints_once_the_final_version_is_out(
+        tmp_path: Path, worker: WorkerProcess) -> None:
+    from chkq.demo import RunShape, make_run
+    from support.helpers import assert_same_hdf5, one_shot
+
+    run = tmp_path / "run"
+    make_run(run, "sim", RunShape(checkpoints=3, writers=2, trials=30))
+    files = sorted(run.glob("sim_chk*/thread_*.h5"))
+    kept = {f: f.read_bytes() for f in files}
+    reference = one_shot(run, tmp_path / "again")
+    store = f"file://{tmp_path / 'store'}"
+    watch = subprocess.run(
+        [sys.executable, "-m", "chkq.workers.cli", "watch", str(run), "sim", "--store", store,
+         "--run", "r1", "--consolidate", "--cleanup", "--idle", "1", "--interval", "0.2"],
+        capture_output=True, text=True, timeout=TIMEOUT)
+    assert watch.returncode == 0, watch.stderr
+    assert watch.stdout.splitlines()[-1] == str(run / "sim.h5")
+    assert sorted(p.name for p in run.iterdir()) == ["sim.h5"]
+    assert_same_hdf5(run / "sim.h5", reference)
+    log = CheckpointLog(open_store(store), "r1")
+    by_name = {e.name: e for e in log.entries()}
+    assert {name: log.load(e.id) for name, e in by_name.items()} == {
+        str(f.relative_to(run)): data for f, data in kept.items()}

@@ -1,17 +1,22 @@
 """Following a running simulation: ``MODEL.h5`` kept current, one verified version at a time.
 
-:func:`follow_run` runs beside the simulation. Whenever more checkpoints are
-complete (every file of each has ``trials_completed``, in number order), it
-publishes a new version of ``DIR/MODEL.h5`` holding all of them: the first
-version is an ordinary consolidation job of the checkpoints so far, each
-later one a ``chkq.version`` job that extends the published file with the
-new checkpoints only. It ends when the done file appears (or after ``idle``
-seconds without a new checkpoint), having published the final version,
+Whenever more checkpoints are complete (every file of each has
+``trials_completed``, in number order), a follow publishes a new version of
+``DIR/MODEL.h5`` holding all of them: the first version is an ordinary
+consolidation job of the checkpoints so far, each later one a
+``chkq.version`` job that extends the published file with the new
+checkpoints only. Once the run has ended it publishes the final version,
 equal in content to a one-shot consolidation of every checkpoint.
 
+A :class:`Follow` (made by :func:`following`) decides what to publish; the
+loop that drives it says when to look and when the run has ended. Two loops
+drive it: :func:`follow_run` (``chkq consolidate --follow``), which looks
+every quarter second and ends at a done file or after an idle time, and
+``chkq watch --consolidate``, which looks between its commits and ends when
+it decides the run has finished.
+
 The same jobs run on the cluster ``CHKQ_BROKER_URL`` names or on an embedded
-one started for the follow, as ``chkq consolidate`` runs them.
-"""
+one started for the follow, as ``chkq consolidate`` runs them."""
 
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chkq.config.celery_app import get_settings
 from chkq.consolidation.discovery import check_model_name
@@ -32,6 +37,9 @@ from chkq.tasks.parties import plan_credential
 from chkq.tasks.state import records
 from chkq.workers.claims import refuse_if_running, run_claim
 from chkq.workers.client import ConsolidationJob, JobSummary, out_dir_of, submit_consolidation
+
+if TYPE_CHECKING:
+    from chkq.workers.embedded import EmbeddedCluster
 
 #: Seconds between two looks at the run directory for newly completed checkpoints.
 POLL_SECONDS = 0.25
@@ -49,6 +57,11 @@ class Version:
     published_at: float
     new_rows: int = 0
     clone: str = ""
+
+    def line(self) -> str:
+        """What a follower prints of the version as it is published."""
+        return (f"version {self.number}: checkpoints 1..{self.through}, {self.rows:,} rows "
+                f"({self.new_rows:,} new) in {self.seconds:.1f} s")
 
 
 @dataclass
@@ -86,15 +99,15 @@ def submit_version(model: str, directory: Path, through: int, previous: str | No
 
 
 @contextlib.contextmanager
-def _cluster(workers: int | None) -> Iterator[Callable[[], None] | None]:
-    """The configured cluster, or an embedded one for the follow's length."""
+def _cluster(workers: int | None) -> Iterator[EmbeddedCluster | None]:
+    """The configured cluster (None), or an embedded one for the follow's length."""
     if get_settings().broker_url:
         yield None
         return
     from chkq.workers.embedded import EmbeddedCluster
 
     with EmbeddedCluster(workers) as cluster:
-        yield cluster.check_alive
+        yield cluster
 
 
 def follow_run(
@@ -116,6 +129,10 @@ def follow_run(
     stopped) is taken as the version to extend: the next version's job
     verifies every row it holds first.
 
+    This is :func:`following`'s :class:`Follow` driven by a loop that looks
+    every ``poll`` seconds; ``chkq watch --consolidate`` drives the same
+    :class:`Follow` from its own loop.
+
     Raises
     ------
     HistoryChangedError
@@ -130,22 +147,58 @@ def follow_run(
     if done_file is None and idle is None:
         raise ConfigurationError("a follow needs a done file or an idle time to know when "
                                  "the run has ended")
+    with following(model_name, out_dir, cleanup=cleanup, workers=workers,
+                   on_version=on_version) as follow:
+        last_new = time.monotonic()
+        while True:
+            ended = ((done_file is not None and Path(done_file).exists())
+                     or (idle is not None and time.monotonic() - last_new > idle))
+            if follow.step(ended) is not None:
+                last_new = time.monotonic()
+                continue
+            if ended:
+                break
+            time.sleep(poll)
+        return follow.finish()
+
+
+@contextlib.contextmanager
+def following(
+    model_name: str, out_dir: str | Path | None = None, *, cleanup: bool = False,
+    workers: int | None = None, on_version: Callable[[Version], None] | None = None,
+    on_wait: Callable[[], None] | None = None,
+) -> Iterator[Follow]:
+    """A follow of the run for a ``with`` block, which drives it (see :class:`Follow`).
+
+    For the block's length it holds the run's claim (a second follow or
+    consolidation of the run is refused, naming this one) and the cluster:
+    the one ``CHKQ_BROKER_URL`` names, or an embedded one of ``workers``
+    processes started now. ``on_version`` hears of each version as it is
+    published; ``on_wait`` is called at each poll while a version's job runs
+    (a caller with work of its own between looks, as ``chkq watch`` commits
+    files meanwhile). A block that raises marks the follow stopped with
+    that error, for ``chkq status``; an embedded cluster then takes the
+    temporaries of a version cut short with it.
+
+    Raises
+    ------
+    RunBusyError
+        Another follow or consolidation of the run is under way (naming it).
+    """
     directory = out_dir_of(out_dir)
     model = check_model_name(model_name)
-    output = directory / f"{model}.h5"
-    summary = FollowSummary(output)
-    with run_claim(model, str(directory)) as claimed, _cluster(workers) as alive:
+    with run_claim(model, str(directory)) as claimed, _cluster(workers) as cluster:
         if get_settings().broker_url:
             refuse_if_running(model, str(directory))
         tag = _FollowTag(uuid.uuid4().hex, time.time())
         try:
-            _follow(model, directory, output, done_file, idle, cleanup, poll, on_version,
-                    summary, claimed, alive, tag)
+            yield Follow(model, directory, cleanup, on_version, on_wait, claimed, cluster, tag)
         except BaseException as exc:
-            tag.end(f"{type(exc).__name__}: {exc}".splitlines()[0])
+            # An embedded cluster's records go with it: an interrupted command does not wait
+            # on its broker (held, or stopping) to mark an end no one could read.
+            if cluster is None or not isinstance(exc, KeyboardInterrupt):
+                tag.end(f"{type(exc).__name__}: {exc}".splitlines()[0])
             raise
-        tag.end("done")
-    return summary
 
 
 @dataclass
@@ -172,52 +225,121 @@ class _FollowTag:
             records().record_follow(job, {**entry, "ended": time.time(), "outcome": outcome})
 
 
-def _follow(model: str, directory: Path, output: Path, done_file: str | Path | None,
-            idle: float | None, cleanup: bool, poll: float,
-            on_version: Callable[[Version], None] | None, summary: FollowSummary,
-            claimed: Callable[[str], None], alive: Callable[[], None] | None,
-            tag: _FollowTag) -> None:
-    """The follow's loop: a version whenever more checkpoints are complete, until the end."""
-    previous: str | None = None
-    resumed = output.exists()
-    published = -1
-    last_new = time.monotonic()
-    while True:
-        ended = ((done_file is not None and Path(done_file).exists())
-                 or (idle is not None and time.monotonic() - last_new > idle))
-        progress = run_progress(directory, model, ended=ended)
-        through = progress.through
+class Follow:
+    """One follow under way: a version of ``MODEL.h5`` whenever more checkpoints are complete.
+
+    Made by :func:`following`, and driven by its caller's loop: :meth:`step`
+    at each look while the run goes on, then :meth:`finish` once the run has
+    ended. The caller decides when looks happen and when the run has ended
+    (a done file, an idle time, a process that exited); the follow decides
+    what to publish, so every driver publishes the same versions.
+
+    Attributes
+    ----------
+    summary
+        The output and every version published so far.
+    """
+
+    def __init__(self, model: str, directory: Path, cleanup: bool,
+                 on_version: Callable[[Version], None] | None,
+                 on_wait: Callable[[], None] | None, claimed: Callable[[str], None],
+                 cluster: EmbeddedCluster | None, tag: _FollowTag) -> None:
+        self.model = model
+        self.directory = directory
+        self.summary = FollowSummary(directory / f"{model}.h5")
+        self._cleanup = cleanup
+        self._on_version = on_version
+        self._on_wait = on_wait
+        self._claimed = claimed
+        self._cluster = cluster
+        self._tag = tag
+        self._previous: str | None = None
+        self._resumed = self.summary.output.exists()
+        self._published = -1
+
+    def step(self, ended: bool = False) -> Version | None:
+        """Look at the run once; publish the next version if more checkpoints are complete.
+
+        Blocks while that version's job runs. ``ended``: the run has ended, so
+        a checkpoint directory counts with the files it has, and a checkpoint
+        still incomplete never will be. Returns the version published, or
+        None when no checkpoint completed since the last.
+
+        Raises
+        ------
+        BadCheckpointError
+            A checkpoint that will never be complete (a later one is, or the
+            run has ended), naming its file: the last good version stays.
+        ChkqError
+            As the version's job fails (a rewritten checkpoint:
+            :class:`HistoryChangedError`).
+        EmbeddedClusterError
+            The embedded cluster's worker died.
+        """
+        self._check_alive()
+        progress = run_progress(self.directory, self.model, ended=ended)
         if progress.overtaken:
-            raise _damaged(progress, published)
-        if through is not None and through > published:
-            job = _next(model, directory, through, previous, resumed)
-            tag.version(job.id, len(summary.versions) + 1, through)
-            claimed(job.id)
-            result = _wait(job, alive)
-            previous, published, resumed = job.id, through, False
-            version = Version(len(summary.versions) + 1, job.id, through,
-                              int(result.get("rows") or 0),
-                              float(result.get("seconds") or 0.0), time.time(),
-                              int(result.get("new_rows") or result.get("rows") or 0),
-                              str(result.get("clone") or ""))
-            summary.versions.append(version)
-            summary.warnings.extend(str(w) for w in result.get("warnings") or [])
-            if on_version is not None:
-                on_version(version)
-            last_new = time.monotonic()
-            continue
-        if ended:
-            if progress.waiting:
-                raise _damaged(progress, published)
-            break
-        if alive is not None:
-            alive()
-        time.sleep(poll)
-    if cleanup and previous is not None:
-        job = submit_version(model, directory, published, previous, cleanup=True)
-        claimed(job.id)
-        result = _wait(job, alive)
-        summary.warnings.extend(str(w) for w in result.get("warnings") or [])
+            raise _damaged(progress, self._published)
+        through = progress.through
+        if through is not None and through > self._published:
+            return self._publish(through)
+        if ended and progress.waiting:
+            raise _damaged(progress, self._published)
+        return None
+
+    def finish(self) -> FollowSummary:
+        """Once the run has ended: publish the final version, clean up if asked; return all.
+
+        The final version holds every checkpoint complete now, equal in content
+        to a one-shot consolidation of them. With ``cleanup`` the checkpoints
+        are then deleted, as ``chkq consolidate --cleanup`` deletes them.
+        Raises as :meth:`step`.
+        """
+        while self.step(ended=True) is not None:
+            pass
+        if self._cleanup and self._previous is not None:
+            job = submit_version(self.model, self.directory, self._published, self._previous,
+                                 cleanup=True)
+            result = self._wait(job)
+            self.summary.warnings.extend(str(w) for w in result.get("warnings") or [])
+        self._tag.end("done")
+        return self.summary
+
+    def _publish(self, through: int) -> Version:
+        """Publish the version through checkpoint ``through``, waiting for its job."""
+        job = _next(self.model, self.directory, through, self._previous, self._resumed)
+        number = len(self.summary.versions) + 1
+        self._tag.version(job.id, number, through)
+        result = self._wait(job)
+        self._previous, self._published, self._resumed = job.id, through, False
+        version = Version(number, job.id, through, int(result.get("rows") or 0),
+                          float(result.get("seconds") or 0.0), time.time(),
+                          int(result.get("new_rows") or result.get("rows") or 0),
+                          str(result.get("clone") or ""))
+        self.summary.versions.append(version)
+        self.summary.warnings.extend(str(w) for w in result.get("warnings") or [])
+        if self._on_version is not None:
+            self._on_version(version)
+        return version
+
+    def _check_alive(self) -> None:
+        if self._cluster is not None:
+            self._cluster.check_alive()
+
+    def _waiting(self) -> None:
+        self._check_alive()
+        if self._on_wait is not None:
+            self._on_wait()
+
+    def _wait(self, job: ConsolidationJob) -> dict[str, Any]:
+        """The result of job ``job``, claimed and (embedded) guarded while it runs."""
+        self._claimed(job.id)
+        if self._cluster is not None and job.files is not None:
+            self._cluster.guard(job.files)
+        summary: JobSummary = job.wait_for_summary(is_alive=self._waiting)
+        done = records().finished_result(job.id) or {}
+        return {"seconds": summary.seconds, **done, "rows": summary.rows,
+                "output": str(summary.output)}
 
 
 def _damaged(progress: RunProgress, published: int) -> BadCheckpointError:
@@ -237,10 +359,3 @@ def _next(model: str, directory: Path, through: int, previous: str | None,
     if previous is None and not resumed:
         return submit_consolidation(model, directory, through=through)
     return submit_version(model, directory, through, previous)
-
-
-def _wait(job: ConsolidationJob, alive: Callable[[], None] | None) -> dict[str, Any]:
-    summary: JobSummary = job.wait_for_summary(is_alive=alive)
-    done = records().finished_result(job.id) or {}
-    return {"seconds": summary.seconds, **done, "rows": summary.rows,
-            "output": str(summary.output)}

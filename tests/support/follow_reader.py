@@ -1,6 +1,7 @@
 """A reader of a followed output: opens MODEL.h5 in a loop and checks every version it sees.
 
-Usage: ``python tests/support/follow_reader.py OUT_DIR MODEL STOP_FILE RESULT_JSON``.
+Usage: ``python tests/support/follow_reader.py OUT_DIR MODEL STOP_FILE RESULT_JSON``, or
+:func:`start` from a test.
 Until ``STOP_FILE`` exists it opens ``OUT_DIR/MODEL.h5`` again and again, as a user
 looking at the rows so far would. Each version must open cleanly and be whole: every
 extensible dataset holds exactly the rows of checkpoints 1..k for one k, equal to those
@@ -11,6 +12,7 @@ checkpoints' rows. It writes what it saw (the k of each version, any error) to
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -90,6 +92,12 @@ def main(out_dir: Path, model: str, stop: Path, result: Path) -> None:
             errors.append(f"{type(exc).__name__}: {exc}")
         time.sleep(0.01)
     result.write_text(json.dumps({"seen": seen, "errors": errors[:20], "opens": opens}))
+
+
+def start(out_dir: Path, model: str, stop: Path, result: Path) -> subprocess.Popen[bytes]:
+    """Run :func:`main` in a process of its own, beside the follow it looks at."""
+    return subprocess.Popen([sys.executable, __file__, str(out_dir), model, str(stop),
+                             str(result)])
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -219,6 +220,17 @@ def modules_loaded_by(imports: list[str], watched: list[str]) -> list[str]:
                           timeout=120)
     assert done.returncode == 0, done.stderr
     return list(json.loads(done.stdout))
+
+
+def one_shot(out_dir: Path, into: Path, model: str = "sim") -> Path:
+    """The run's checkpoints consolidated once, in a copy of the run (no MODEL.h5, no done file).
+
+    The reference a followed output must equal when the run has ended.
+    """
+    from chkq.consolidation.driver import consolidate_here
+
+    shutil.copytree(out_dir, into, ignore=shutil.ignore_patterns(f"{model}.h5", "done"))
+    return consolidate_here(into, model)
 
 
 def assert_same_hdf5(left: Path, right: Path) -> None:

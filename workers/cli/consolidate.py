@@ -101,8 +101,7 @@ def _follow(args: argparse.Namespace, line: ProgressLine) -> int:
 
     def published(version: Version) -> None:
         line.close()
-        say(f"version {version.number}: checkpoints 1..{version.through}, "
-            f"{version.rows:,} rows ({version.new_rows:,} new) in {version.seconds:.1f} s")
+        say(version.line())
 
     try:
         summary = follow_run(args.model, args.out_dir, done_file=args.done_file,
