@@ -209,25 +209,117 @@ def verify_files(
     the first row that differs. Memory: about one block, whatever the
     number of files or rows.
 
+    The output is the job's temporary output, opened through the run
+    directory and checked to be the file the planner made; each checkpoint
+    file is opened as planned (:func:`chkq.consolidation.copy_rows.open_source`).
+
     Raises
     ------
     OutputMismatchError
         Naming the dataset, the output row and the checkpoint file at fault.
     """
-    stats = VerifyStats()
-    digests = digests or {}
     run, out_fd, out = _open_output(plan)
     try:
         check_descriptor(plan.job.temp, out.get_vfd_handle(), plan.temp_inode)
-        outputs = [h5d.open(out, d.name.encode()) for d in plan.datasets]
-        plain = [not is_variable(o.get_type()) for o in outputs]
-        windows = Windows(plan, outputs, first, stop,
-                          {i for i, d in enumerate(plan.datasets)
-                           if plain[i] and d.total and i not in digests})
-        high_level = None
-        by_digest = bool(plan.file_digests) and all(d.mode == "raw" for d in plan.datasets)
+
+        def opened(file_index: int) -> tuple[h5f.FileID, int | None]:
+            return open_source(run, plan, file_index)
+
+        return _compare_files(plan, first, stop, out, out_fd, opened, digests or {}, progress,
+                              by_digest=True, name=plan.file_path)
+    finally:
+        out.close()
+        os.close(out_fd)
+        run.close()
+
+
+def verify_opened(
+    plan: Plan, first: int, stop: int, output: h5f.FileID,
+    open_source: Callable[[int], h5f.FileID], progress: Progress | None = None,
+    source_name: Callable[[int], str] | None = None,
+) -> VerifyStats:
+    """Compare the output's rows from files ``[first, stop)`` with sources the caller opens.
+
+    The comparison of :func:`verify_files`, for an output and sources that
+    are not the job's local files: a job whose run and output are store
+    objects opens each with ``h5py.File(ObjectFile(store, key, pinned=version),
+    "r").id`` (:class:`chkq.stores.fileobj.ObjectFile`). Every row of every
+    dataset with rows from these files is read back from ``output`` and
+    compared with the row read from its source: the planning scan's
+    digests (``plan.file_digests``) are not used, since what the planner
+    read need not be these objects, nor are the copy's digests.
+
+    Fixed-size rows (``raw`` and ``chunks`` datasets) compare as bytes of
+    the file type, as in :func:`verify_files`. Variable-length rows and
+    references (``whole`` datasets) compare by value through h5py, on these
+    file ids: the proof from their stored heap collections, which reads the
+    files through descriptors, is not made, so such rows take longer, but
+    prove the same.
+
+    Parameters
+    ----------
+    plan
+        The job's plan: its datasets' rows per file and block size.
+    first, stop
+        The files ``[first, stop)`` (indices into ``plan.files``) to verify.
+    output
+        The output's HDF5 file id, open for reading; the caller closes it.
+    open_source
+        Opens file ``i`` of the plan and returns its HDF5 file id, which is
+        closed once that file's rows are compared (one source open at a time).
+    progress
+        Called with the rows compared so far, after each dataset of each file.
+    source_name
+        The name of file ``i`` in messages (the source object's URL or key);
+        by default its path in the plan.
+
+    Returns
+    -------
+    VerifyStats
+        The rows, bytes (of the file type) and files compared.
+
+    Raises
+    ------
+    OutputMismatchError
+        Naming the dataset, the output row and the source at fault.
+
+    Notes
+    -----
+    Memory: about one block of buffers, as in :func:`verify_files`, plus
+    whatever the caller's file objects keep (an ``ObjectFile`` its block
+    cache, for the output and the one open source).
+    """
+    def opened(file_index: int) -> tuple[h5f.FileID, int | None]:
+        return open_source(file_index), None
+
+    return _compare_files(plan, first, stop, output, None, opened, {}, progress,
+                          by_digest=False, name=source_name or plan.file_path)
+
+
+def _compare_files(
+    plan: Plan, first: int, stop: int, out: h5f.FileID, out_fd: int | None,
+    open_source: Callable[[int], tuple[h5f.FileID, int | None]], digests: dict[int, Digests],
+    progress: Progress | None, *, by_digest: bool, name: Callable[[int], object],
+) -> VerifyStats:
+    """The comparison of :func:`verify_files` and :func:`verify_opened`, file by file.
+
+    ``open_source(i)`` gives file ``i``'s HDF5 id and its descriptor, or
+    None where it has none; both are closed here. Without descriptors (of
+    the source or of the output, ``out_fd``) variable-length rows are
+    compared by value only, through h5py objects over the file ids.
+    """
+    stats = VerifyStats()
+    outputs = [h5d.open(out, d.name.encode()) for d in plan.datasets]
+    plain = [not is_variable(o.get_type()) for o in outputs]
+    windows = Windows(plan, outputs, first, stop,
+                      {i for i, d in enumerate(plan.datasets)
+                       if plain[i] and d.total and i not in digests})
+    high_level: h5py.File | None = None
+    by_digest = by_digest and bool(plan.file_digests) and all(
+        d.mode == "raw" for d in plan.datasets)
+    try:
         for file_index in range(first, stop):
-            path = plan.file_path(file_index)
+            path = name(file_index)
             digest = plan.file_digests[file_index] if by_digest else ""
             if digest and file_digest(plan, file_index, windows) == digest:
                 stats.files += 1
@@ -237,7 +329,7 @@ def verify_files(
                 if progress:
                     progress(stats.rows)
                 continue
-            fid, fd = open_source(run, plan, file_index)
+            fid, fd = open_source(file_index)
             try:
                 stats.files += 1
                 for i, d in enumerate(plan.datasets):
@@ -250,10 +342,12 @@ def verify_files(
                                          h5py.Dataset(outputs[i]), h5py.Dataset(dsid), path)
                     elif i in windows:
                         _compare_plain(d, dsid, *windows.get(i, start, end), start, end, path)
-                    elif not _heap_rows_match(plan, d, (fid, dsid, fd),
-                                              (out, outputs[i], out_fd), start, end, path):
+                    elif fd is None or out_fd is None or not _heap_rows_match(
+                            plan, d, (fid, dsid, fd), (out, outputs[i], out_fd), start, end,
+                            path):
                         if high_level is None:
-                            high_level = h5py.File(fd_path(out_fd), "r")
+                            high_level = (h5py.File(out) if out_fd is None
+                                          else h5py.File(fd_path(out_fd), "r"))
                         _compare_objects(plan, d, h5py.Dataset(dsid), high_level[d.name],
                                          start, end, path)
                     stats.rows += end - start
@@ -262,18 +356,17 @@ def verify_files(
                         progress(stats.rows)
             finally:
                 fid.close()
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
             if digest:
                 raise OutputMismatchError(
                     f"the output's rows of checkpoint file {str(path)!r} do not match the "
                     "digest its planning scan took, though they match the file now: it "
                     "changed while the job ran")
-        if high_level is not None:
-            high_level.close()
     finally:
-        out.close()
-        os.close(out_fd)
-        run.close()
+        # A File made over the caller's id is not closed: closing it would close that id.
+        if high_level is not None and out_fd is not None:
+            high_level.close()
     return stats
 
 
