@@ -239,12 +239,12 @@ def send_part(self: ChkqTask, job: str, unit: int) -> dict[str, Any]:
         sent = store.copy_part(upload, part.number, obj.key, ObjectVersion(obj.size, obj.version),
                                piece.start, piece.length, part.offset)
     else:
-        sent = store.put_part(upload, part.number, _built(found, part), part.offset)
+        sent = store.put_part(upload, part.number, _built(found, part, parts), part.offset)
     records().record_part(job, unit, sent.to_record())
     return {"part": part.number, "bytes": part.length, "copied": part.copied}
 
 
-def _built(found: StoreJob, part: OutputPart) -> bytes:
+def _built(found: StoreJob, part: OutputPart, parts: list[OutputPart]) -> bytes:
     """A part's bytes: its source ranges read pinned (nearby ones at once), its skeleton bytes
     from the assembly record."""
     store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
@@ -258,7 +258,7 @@ def _built(found: StoreJob, part: OutputPart) -> bytes:
                 f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
                 "planned (replaced, rewritten or deleted in the store): nothing was published")
         fetched.setdefault(source, []).append((start, data))
-    skeleton = _recorded_skeleton(found.job) if part.needs_skeleton else None
+    skeleton = _recorded_skeleton(found.job, parts) if part.needs_skeleton else None
 
     def read(source: int, start: int, length: int) -> bytes:
         if skeleton is not None and source == SKELETON:
@@ -271,10 +271,12 @@ def _built(found: StoreJob, part: OutputPart) -> bytes:
     return build_part(part, read)
 
 
-def _recorded_skeleton(job: str) -> Callable[[int, int], bytes]:
-    """Reads of the skeleton's bytes from the assembly record (checked: untrusted)."""
+def _recorded_skeleton(job: str, parts: list[OutputPart]) -> Callable[[int, int], bytes]:
+    """Reads of the skeleton's bytes from the assembly record (checked: untrusted).
+
+    ``parts``: the record's parts, as :func:`_assembly` checked them.
+    """
     record = records().assembly(job) or {}
-    _, _, parts = _assembly(job)
     pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
     where = f"job record {keys.job_record(job, 'assembly')}"
     try:
@@ -414,7 +416,7 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
         raise OutputMismatchError(f"the assembled {key} holds {store.size(key)} bytes, "
                                   f"{size} were planned")
     pieces = [p for part in parts for p in part.pieces if p.source == SKELETON]
-    recorded = _recorded_skeleton(plan.job_id)
+    recorded = _recorded_skeleton(plan.job_id, parts)
     head = pieces[0] if pieces and pieces[0].offset == 0 else None
     if head is not None and store.get_range(key, 0, head.length) != recorded(0, head.length):
         raise OutputMismatchError(f"the assembled {key} does not begin with its skeleton")
