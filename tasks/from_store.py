@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import h5py
 from celery import chord, group, signature
 
 from chkq.access import resolve_allowed
@@ -40,7 +39,6 @@ from chkq.config.celery_app import get_app, get_settings
 from chkq.config.routing import NODE_QUEUE_PREFIX
 from chkq.consolidation.discovery import check_model_name
 from chkq.consolidation.mirror import sealed_mirror
-from chkq.consolidation.output_parts import template_refusal
 from chkq.consolidation.temporaries import check_job_id
 from chkq.errors import (
     BadMessageError,
@@ -48,7 +46,6 @@ from chkq.errors import (
     ChkqError,
     ForgedRecordError,
     JobStateGoneError,
-    OutputWriteError,
     UnprovenJobError,
 )
 from chkq.fsutil import private_directory
@@ -65,13 +62,13 @@ from chkq.staging import (
     fetch_objects,
     find_store_run,
 )
-from chkq.staging.listing import checkpoint_member, open_run_log
-from chkq.stores.fileobj import ObjectFile
+from chkq.staging.listing import open_run_log
 from chkq.stores.publish import Published, publish_file
 from chkq.stores.url import open_store, parse_store_url
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
 from chkq.tasks.canvas import consolidation_signature, fail_signature
 from chkq.tasks.parties import admit_store_run, authorize_stage
+from chkq.tasks.spread_rule import spread_over_nodes
 from chkq.tasks.state import records
 
 if TYPE_CHECKING:
@@ -263,43 +260,6 @@ def check_destination_free(run: StoreRun, destination: tuple[str, str]) -> None:
     if store.exists(destination[1]):
         raise StoreDestinationExistsError(
             f"output {_url(*destination)} exists; it is never overwritten")
-
-
-def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
-    """Whether a store job is spread over every node, its output assembled in the store.
-
-    Only a run of plain objects (a log's checkpoints are delta-compressed:
-    no byte of them is a row) published to the store it is in, whose store
-    takes parts from many nodes, whose template's extensible datasets are
-    all raw (read from its metadata), and which is at least
-    ``CHKQ_SPREAD_BYTES`` or does not fit in this worker's scratch. A store
-    that cannot copy ranges itself (GCS) is spread only when the run does
-    not fit: every byte then passes through the nodes, once each.
-    """
-    settings = get_settings()
-    if run.run_id is not None or destination[0] != run.store_url or not run.objects:
-        return False
-    try:
-        check_room(run, run.objects, settings.scratch_root)
-        fits = True
-    except OutputWriteError:
-        fits = False
-    store = open_store(run.store_url, timeouts=settings.core().timeouts)
-    if not store.supports_shared_uploads or (fits and (
-            run.size < settings.spread_bytes or not store.copies_ranges)):
-        return False
-    numbered = [(checkpoint_member(run.model, o.name) or (0, False))[0] for o in run.objects]
-    last = max(numbered)
-    template = next(o for o, n in zip(run.objects, numbered, strict=True) if n == last)
-    try:
-        with h5py.File(ObjectFile(store, template.key), "r") as f:
-            why = template_refusal(f)
-    except (OSError, ValueError, KeyError) as exc:
-        why = f"its template {run.url_of(template.name)} cannot be read in place ({exc})"
-    if why is not None:
-        log.info("store run %s is consolidated on one node: %s", run.source, why)
-        return False
-    return True
 
 
 def fetch_units(objects: tuple[SourceObject, ...], limit: int, files: int
