@@ -139,3 +139,44 @@ def test_every_part_but_the_last_is_at_least_the_store_minimum() -> None:
     assert copied and all(p.length <= 16 * MiB for p in copied)
     # The first built part took the head of the copied range to reach the minimum.
     assert parts[0].length == MIN_PART and parts[0].pieces[1].source == 0
+
+
+def test_a_wide_output_planned_for_parts_is_nearly_all_copied_by_the_store(
+        tmp_path: Path) -> None:
+    """Datasets of 64 MiB a checkpoint: the chunk index does not break the runs of chunks.
+
+    What passes through a node is the built parts; the rest the store copies.
+    Planned for parts (a sparse skeleton), the output keeps its new chunk
+    index out of the runs of chunks, so what is built is two minimum parts:
+    the head (the superblock and the template's metadata) and the new
+    metadata, where the template ended; the same run planned for one node,
+    its index among the chunks, builds more.
+    """
+    run = tmp_path / "run"
+    run.mkdir()
+    rng = np.random.default_rng(5)
+    paths = []
+    for number in range(1, 5):
+        path = run / f"run_chk{number:05d}.h5"
+        with h5py.File(path, "w") as f:
+            f.attrs["trials_completed"] = np.uint64(number * 8192)
+            f.create_dataset("spec", data=rng.random((8192, 1024)), maxshape=(None, 1024),
+                             chunks=(256, 1024))
+        paths.append(path)
+
+    def built_share(reserve: bool) -> float:
+        plan = prepare(run, "run", uuid.uuid4().hex, reserve=reserve, digest=reserve)
+        size = os.stat(plan.job.temp).st_size
+        maps = chunk_maps(plan, lambda f: h5f.open(os.fsencode(plan.file_path(f)),
+                                                   h5f.ACC_RDONLY))
+        parts = cut_parts(output_pieces(plan, size, maps), 16 * MiB)
+        output = tmp_path / f"run-{reserve}.h5"
+        built = _assemble(plan, parts, output)
+        assert compare(output, paths) == []
+        os.unlink(plan.job.temp)
+        output.unlink()
+        return built / size
+
+    for_parts, for_one_node = built_share(False), built_share(True)
+    assert for_parts <= 0.05, f"{for_parts:.1%} of the output is built"
+    assert for_parts < for_one_node

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import os
 from pathlib import Path
 
@@ -62,6 +63,10 @@ from chkq.rundir import CREATE, RunDir, fd_path
 
 #: Rows written per H5Dwrite when a dataset's chunks are allocated by writing them.
 ALLOCATE_BYTES = 16 * 1024 * 1024
+#: Bytes of metadata reserved a chunk: the chunk index's share, with room.
+INDEX_BYTES_PER_CHUNK = 128
+#: The most metadata reserved in one block.
+MAX_META_BLOCK = 8 << 20
 
 #: The lowest library version bound that writes each superblock version: what the file's
 #: writer must have asked for at least.
@@ -235,7 +240,11 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         Whether the output's full size is reserved on disk first
         (:func:`reserve_space`). Without it the skeleton holds blocks only
         where something was written (its metadata, and chunks HDF5 fills):
-        a sparse skeleton, planned on a node that copies no row.
+        a sparse skeleton, planned on a node that copies no row, for an
+        output assembled from parts. Such a skeleton's new metadata (the
+        chunk indexes) is taken from one block (:func:`meta_block_bytes`),
+        so that the raw chunks lie in unbroken runs that a store copies as
+        whole ranges, rather than around index nodes placed among them.
 
     Returns
     -------
@@ -256,6 +265,8 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         skip = [r for name in recreated for r in _stored_ranges(source[name].id)]
         row_bytes = {name: source[name].id.get_type().get_size()
                      * int(np.prod(source[name].shape[1:], dtype=np.int64)) for name in rows}
+        meta_block = None if reserve else meta_block_bytes(
+            [((rows[name], *source[name].shape[1:]), source[name].chunks) for name in raw])
     fd = run.open_file(temp, CREATE, 0o600)
     try:
         _apply_access(fd, access)
@@ -264,14 +275,26 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         if reserve:
             reserve_space(fd, temp, os.fstat(template).st_size
                           + sum(total * row_bytes[name] for name, total in rows.items()))
-        layout = _resize(fd, rows, raw, recreated, bounds)
+        layout = _resize(fd, rows, raw, recreated, bounds, meta_block)
     finally:
         os.close(fd)
     return layout, inode, bounds
 
 
+def meta_block_bytes(datasets: list[tuple[tuple[int, ...], tuple[int, ...] | None]]) -> int:
+    """Bytes of one metadata block that holds the chunk indexes of ``datasets``.
+
+    ``datasets`` are the ``(shape, chunk shape)`` the raw datasets have in
+    the output. At least HDF5's default block (2 KiB), at most
+    :data:`MAX_META_BLOCK`: an index larger than that takes more blocks.
+    """
+    chunks = sum(math.prod(-(-n // c) for n, c in zip(shape, chunk, strict=True))
+                 for shape, chunk in datasets if chunk)
+    return min(MAX_META_BLOCK, max(2048, chunks * INDEX_BYTES_PER_CHUNK))
+
+
 def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
-            bounds: tuple[str, str]) -> dict[str, list[int]]:
+            bounds: tuple[str, str], meta_block: int | None = None) -> dict[str, list[int]]:
     """Resize (or recreate) the extensible datasets of the skeleton open as ``fd``.
 
     Recreated datasets whose template writes the fill value when their
@@ -287,7 +310,8 @@ def _resize(fd: int, rows: dict[str, int], raw: set[str], recreated: set[str],
     layout: dict[str, list[int]] = {}
     restore: dict[str, int] = {}
     edges: dict[str, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
-    with h5py.File(fd_path(fd), "r+", libver=bounds) as out:
+    options = {} if meta_block is None else {"meta_block_size": meta_block}
+    with h5py.File(fd_path(fd), "r+", libver=bounds, **options) as out:
         base = out.userblock_size
         sizes = out.id.get_create_plist().get_sizes()
         replaced: dict[str, dict[bytes, h5d.DatasetID]] = {}
