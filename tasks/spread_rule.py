@@ -13,6 +13,7 @@ import logging
 import h5py
 
 from chkq.config.celery_app import get_settings
+from chkq.consolidation.mirror import METADATA_BLOCK, METADATA_BLOCKS
 from chkq.consolidation.output_parts import template_refusal
 from chkq.errors import OutputWriteError
 from chkq.staging import StoreRun, check_room
@@ -50,7 +51,8 @@ def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
     last = max(numbered)
     template = next(o for o, n in zip(run.objects, numbered, strict=True) if n == last)
     try:
-        with h5py.File(ObjectFile(store, template.key), "r") as f:
+        with h5py.File(ObjectFile(store, template.key, block_size=METADATA_BLOCK,
+                                  cache_blocks=METADATA_BLOCKS), "r") as f:
             why = template_refusal(f)
     except (OSError, ValueError, KeyError) as exc:
         why = f"its template {run.url_of(template.name)} cannot be read in place ({exc})"

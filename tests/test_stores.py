@@ -316,6 +316,21 @@ def test_s3_lost_response_to_an_upload_completion_is_success(s3_proxy: FaultProx
     assert store.stray_uploads() == []
 
 
+def test_s3_pinned_read_cut_mid_object_resumes_where_it_broke(s3_proxy: FaultProxy) -> None:
+    """One GET streams the object; a connection cut under it is resumed by a ranged GET
+    from the byte it broke at, of the same version."""
+    store = _s3(s3_proxy.url, "stream")
+    data = os.urandom(24 * MiB)
+    store.put("obj", data)
+    reading = store.read_pinned("obj", store.version("obj"), 2 * MiB)
+    first = next(reading)
+    s3_proxy.go_down(0.5)
+    rest = list(reading)
+    assert s3_proxy.refused >= 1, "the read was not cut"
+    assert None not in rest
+    assert first + b"".join(p or b"" for p in rest) == data
+
+
 def test_s3_conditional_conflict_409_is_retried(s3_proxy: FaultProxy) -> None:
     store = _s3(s3_proxy.url, "conflict")
     body = (

@@ -53,7 +53,13 @@ from chkq.staging.fetching import FETCH_BYTES, changed_error
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
 
-__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows", "sealed_mirror"]
+#: Bytes of one ranged read of an object's metadata, and the reads kept: its nodes lie
+#: among the chunks, a few KiB each, so a larger read moves rows the mirror leaves out.
+METADATA_BLOCK = 64 << 10
+METADATA_BLOCKS = 256
+
+__all__ = ["METADATA_BLOCK", "METADATA_BLOCKS", "MirrorStats", "mirror_object",
+           "raw_chunk_ranges", "raw_chunk_rows", "sealed_mirror"]
 
 
 @dataclass(frozen=True)
@@ -239,7 +245,7 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     offset; the file is first truncated to the object's size, so the raw
     chunks are holes (zeros, no blocks). The mirror is then reopened and
     must list the same chunks as the object. Memory is bounded by one fetch,
-    HDF5's block cache (16 MiB) and the list of chunk extents.
+    the block cache (16 MiB) and the list of chunk extents.
 
     ``chunk_rows``: the template's rows per chunk of each raw dataset
     (:func:`raw_chunk_rows` of its mirror, made first). Planning copies a
@@ -272,7 +278,8 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     url = f"{store.url.rstrip('/')}/{key}"
     if os.fstat(fd).st_size:
         raise ValueError(f"the mirror of {url!r} must be written into an empty file")
-    source = ObjectFile(store, key, pinned=pinned, changed=changed_error)
+    source = ObjectFile(store, key, pinned=pinned, changed=changed_error,
+                        block_size=METADATA_BLOCK, cache_blocks=METADATA_BLOCKS)
     try:
         try:
             with h5py.File(source, "r") as f:

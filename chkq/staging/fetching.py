@@ -158,20 +158,13 @@ def _pinned_pieces(store: CheckpointStore, run: StoreRun, obj: SourceObject
     """The object's pinned bytes, :data:`FETCH_BYTES` at a time.
 
     Every read is made against the pin, whose version fixes the size too, so
-    the object cannot have grown; an empty object is asked once. One that is
-    not the pinned version (any more) is refused, naming its URL.
+    the object cannot have grown. One that is not the pinned version (any
+    more) is refused, naming its URL.
     """
-    pinned = ObjectVersion(obj.size, obj.version)
-    offset = 0
-    while offset < obj.size:
-        piece = store.get_range_pinned(obj.key, pinned, offset,
-                                       min(FETCH_BYTES, obj.size - offset))
-        if not piece:
+    for piece in store.read_pinned(obj.key, ObjectVersion(obj.size, obj.version), FETCH_BYTES):
+        if piece is None:
             raise _changed(run, obj.name)
         yield piece
-        offset += len(piece)
-    if obj.size == 0 and store.get_range_pinned(obj.key, pinned, 0, 1) != b"":
-        raise _changed(run, obj.name)
 
 
 def _copy_plain(store: CheckpointStore, run: StoreRun, obj: SourceObject, fd: int) -> str:

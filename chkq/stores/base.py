@@ -23,6 +23,7 @@ import builtins
 import errno
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 from chkq.errors import InvalidKeyError, StoreNotFoundError, TransientStoreError
 from chkq.stores.keys import bucket_prefix, validate_key, validate_prefix
@@ -216,6 +217,40 @@ class CheckpointStore(ABC):
         except KeyError:
             return None
         return data if current == pinned else None
+
+    def read_pinned(self, key: str, pinned: ObjectVersion, piece: int
+                    ) -> Iterator[bytes | None]:
+        """The whole object under ``key`` if it is ``pinned``, ``piece`` bytes at a time.
+
+        Every byte is of the pinned version, as with :meth:`get_range_pinned`;
+        a backend that can stream one object from one request does (S3: one
+        GET with ``If-Match``, resumed from where it broke), where reading it
+        range by range would cost a request a piece, and, on a server that
+        reads the whole object for every range, the object once a piece.
+
+        Yields
+        ------
+        bytes or None
+            The pieces in order, each ``piece`` bytes but the last; None, and
+            nothing after it, where the object is gone or is no longer that
+            version. An empty object yields nothing.
+        """
+        if piece < 1:
+            raise ValueError(f"piece must be >= 1 byte, got {piece}")
+        return self._read_pinned(validate_key(key), pinned, piece)
+
+    def _read_pinned(self, key: str, pinned: ObjectVersion, piece: int
+                     ) -> Iterator[bytes | None]:
+        offset = 0
+        while offset < pinned.size:
+            data = self._get_range_pinned(key, pinned, offset, min(piece, pinned.size - offset))
+            if not data:
+                yield None
+                return
+            yield data
+            offset += len(data)
+        if pinned.size == 0 and self._get_range_pinned(key, pinned, 0, 1) != b"":
+            yield None
 
     def upload(self, key: str, *, part_size: int | None = None,
                checksum: bool = False, access: FileAccess | None = None) -> PartsUpload:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import boto3
 from botocore.config import Config
 from botocore.exceptions import (
     ClientError,
+    IncompleteReadError,
     NoCredentialsError,
     PartialCredentialsError,
 )
@@ -390,6 +392,52 @@ class S3Store(BucketStore):
                 body.close()
 
         return self._retry(attempt, f"get {key}")
+
+    def _read_pinned(self, key: str, pinned: ObjectVersion, piece: int
+                     ) -> Iterator[bytes | None]:
+        if pinned.size == 0:
+            yield from super()._read_pinned(key, pinned, piece)
+            return
+        etag = pinned.version.removeprefix("etag:")
+        name = self._prefix + key
+        offset = 0
+        body: Any = None
+
+        def next_piece() -> bytes | None:
+            """The next piece, from the open answer or, after a break, one opened at ``offset``."""
+            nonlocal body
+            if body is None:
+                try:
+                    body = self._client.get_object(
+                        Bucket=self._bucket, Key=name, IfMatch=etag,
+                        Range=f"bytes={offset}-{pinned.size - 1}")["Body"]
+                except ClientError as exc:
+                    if is_not_found(exc) or is_precondition_failed(exc):
+                        return None
+                    raise
+            want = min(piece, pinned.size - offset)
+            try:
+                data = bytes(body.read(want))
+                if len(data) != want:
+                    raise IncompleteReadError(actual_bytes=offset + len(data),
+                                              expected_bytes=pinned.size)
+            except BaseException:
+                body.close()
+                body = None
+                raise
+            return data
+
+        try:
+            while offset < pinned.size:
+                data = self._retry(next_piece, f"get {key}")
+                if data is None:
+                    yield None
+                    return
+                yield data
+                offset += len(data)
+        finally:
+            if body is not None:
+                body.close()
 
     def _modified(self, key: str) -> float:
         head = self._head(key)

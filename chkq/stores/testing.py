@@ -227,6 +227,31 @@ class StoreTests:
         with pytest.raises(ValueError):
             store.get_range_pinned("obj", current, -1, 1)
 
+    def test_read_pinned_streams_one_version_only(self, store: CheckpointStore) -> None:
+        data = bytes(i % 251 for i in range(1000))
+        store.put("obj", data)
+        pinned = store.version("obj")
+        pieces = list(store.read_pinned("obj", pinned, 300))
+        assert [len(p or b"") for p in pieces] == [300, 300, 300, 100]
+        assert b"".join(p or b"" for p in pieces) == data
+        store.put("empty", b"")
+        assert list(store.read_pinned("empty", store.version("empty"), 10)) == []
+        reading = store.read_pinned("obj", pinned, 300)
+        first = next(reading)
+        rewritten = bytes(reversed(data))
+        store.put("obj", rewritten)
+        rest = list(reading)
+        assert rest[-1:] == [None] or (first or b"") + b"".join(p or b"" for p in rest) == data, \
+            "a rewrite mid-read: the pinned version's bytes, or None"
+        assert None not in rest[:-1]
+        later = list(store.read_pinned("obj", pinned, 300))
+        assert later == [None] or b"".join(p or b"" for p in later) == data
+        current = store.version("obj")
+        store.delete("obj")
+        assert list(store.read_pinned("obj", current, 300)) == [None]
+        with pytest.raises(ValueError):
+            store.read_pinned("obj", current, 0)
+
     def test_size(self, store: CheckpointStore) -> None:
         store.put("obj", b"x" * 1234)
         store.put("empty", b"")
