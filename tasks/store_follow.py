@@ -35,6 +35,7 @@ a new version extends it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,6 +51,7 @@ import h5py
 from chkq.config.celery_app import get_app, get_settings
 from chkq.consolidation.discovery import check_model_name
 from chkq.consolidation.driver import consolidate_here
+from chkq.consolidation.stamps import FileStamp
 from chkq.consolidation.temporaries import check_job_id
 from chkq.consolidation.versions import RunProgress, publish_version, run_progress
 from chkq.errors import (
@@ -227,7 +229,8 @@ def store_version(self: ChkqTask, job: str, follow: str, source: str, model: str
     result = {"kind": STORE_VERSION_KIND, "store": True, "follow": follow,
               "queue": own_queue(self), "through": state.through, "version": state.number,
               "published": pointer is not None, "final": final,
-              "output": (f"{destination[0].rstrip('/')}/{pointer.key}" if pointer else ""),
+              "output": (f"{destination[0].rstrip('/')}/{pointer.key(destination[1])}"
+                         if pointer else ""),
               "bytes": pointer.size if pointer else 0, "rows": pointer.rows if pointer else 0,
               "new_rows": int((made or {}).get("new_rows") or (made or {}).get("rows") or 0),
               "seconds": round(time.monotonic() - started, 3), "warnings": []}
@@ -248,7 +251,8 @@ def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str
     if latest is not None and latest.final:
         raise StoreDestinationExistsError(
             f"the follow of this run already published its final version at "
-            f"{destination[0].rstrip('/')}/{latest.key}; it is never overwritten")
+            f"{destination[0].rstrip('/')}/{latest.key(destination[1])}; it is never "
+            "overwritten")
     if latest is None and store.exists(destination[1]):
         raise StoreDestinationExistsError(
             f"output {destination[0].rstrip('/')}/{destination[1]} exists; it is never "
@@ -265,7 +269,7 @@ def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str
     (space / "run").mkdir(mode=0o700)
     state = FollowState(list(destination))
     if latest is not None:
-        fetch_version(store, latest, space / "run" / f"{model}.h5")
+        fetch_version(store, destination[1], latest, space / "run" / f"{model}.h5")
         state.number = state.local = latest.number
         state.through, state.sha256, state.resumed = latest.through, latest.sha256, True
     state.save(space / "state.json")
@@ -386,9 +390,15 @@ def _upload(store: CheckpointStore, destination: tuple[str, str], output: Path,
         # Left by a follower lost before it wrote the pointer: no reader ever used it.
         with contextlib.suppress(KeyError):
             store.delete(key)
+    before = FileStamp.of(os.stat(output))
     published = publish_file(store, key, output, part_bytes=get_settings().upload_part_bytes)
+    after = FileStamp.of(os.stat(output))
+    if state.record is not None and state.record.get("output_stamp") == before.as_list() \
+            and dataclasses.replace(after, ctime_ns=before.ctime_ns) == before:
+        # A local store links the file itself into place: only its change time moved.
+        state.record["output_stamp"] = after.as_list()
     rows, _ = _rows(output)
-    pointer = VersionPointer(number, key, published.size, published.sha256, state.through,
+    pointer = VersionPointer(number, published.size, published.sha256, state.through,
                              rows, final, follow)
     write_pointer(store, destination[1], pointer)
     state.number = state.local = number
@@ -402,8 +412,8 @@ def _end_message(self: ChkqTask, follow: str, source: str, model: str, to: str |
                  final: int) -> Checked:
     check_job_id(follow)
     model = check_model_name(model)
-    if isinstance(final, bool) or not isinstance(final, int) or final < 1:
-        raise BadMessageTypeError(f"final must be a version number, got {final!r}")
+    if isinstance(final, bool) or not isinstance(final, int) or final < 0:
+        raise BadMessageTypeError(f"final must be a version number or 0, got {final!r}")
     return Checked(follow, (follow, source, model, to, final), {},
                    {"model": model, "source": source})
 
@@ -415,23 +425,26 @@ def store_follow_end(self: ChkqTask, follow: str, source: str, model: str, to: s
     """Once the final version is published: delete the interim versions and the workspace.
 
     Only if the store's newest pointer is the final one, number ``final``:
-    nothing is deleted before the final version is there.
+    nothing is deleted before the final version is there. ``final`` 0: the
+    follow stopped; only the workspace is removed, and every version stays
+    (a follow started again resumes from the newest).
     """
     core = get_settings().core()
     check_store_allowed(source)
     found = find_store_run(source, model, None, core=core)
     destination = destination_of(found, to)
     check_store_allowed(destination[0])
-    store = open_store(destination[0], timeouts=core.timeouts)
-    latest = latest_pointer(store, destination[1])
-    if latest is None or not latest.final or latest.number != final:
-        raise HistoryChangedError(f"the newest version of {destination[1]} is not the final "
-                                  f"version {final}: no interim version deleted")
     deleted = 0
-    for key in interim_keys(store, destination[1], final):
-        with contextlib.suppress(KeyError):
-            store.delete(key)
-            deleted += 1
+    if final:
+        store = open_store(destination[0], timeouts=core.timeouts)
+        latest = latest_pointer(store, destination[1])
+        if latest is None or not latest.final or latest.number != final:
+            raise HistoryChangedError(f"the newest version of {destination[1]} is not the "
+                                      f"final version {final}: no interim version deleted")
+        for key in interim_keys(store, destination[1], final):
+            with contextlib.suppress(KeyError):
+                store.delete(key)
+                deleted += 1
     space = workspace_of(source, model, destination)
     if space.is_dir() and not space.is_symlink():
         shutil.rmtree(space, ignore_errors=True)

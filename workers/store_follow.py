@@ -22,6 +22,7 @@ worker's workspace are deleted.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Callable
@@ -40,6 +41,8 @@ from chkq.workers.follow import POLL_SECONDS, Version, _cluster, _FollowTag
 
 #: Seconds the interim versions stay after the final version is published, by default.
 KEEP_VERSIONS_SECONDS = 30.0
+#: Seconds a stopped follow waits for its workspace to be removed before it gives up.
+DISCARD_SECONDS = 30.0
 
 
 @dataclass
@@ -131,6 +134,7 @@ def follow_store_run(
         except BaseException as exc:
             if cluster is None or not isinstance(exc, KeyboardInterrupt):
                 follow.tag.end(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                follow.discard()
             raise
         return follow.summary
 
@@ -172,6 +176,19 @@ class _StoreFollow:
         time.sleep(keep_versions)
         end_signature(self.tag.follow, self.source, self.model, self.to, self._final,
                       self._queue).apply_async().get()
+
+    def discard(self) -> None:
+        """After a failure: remove the worker's workspace, keeping every version (best effort).
+
+        A follow started again resumes from the newest version in the store.
+        """
+        from chkq.tasks.store_follow import end_signature
+
+        if self._queue is None:
+            return
+        with contextlib.suppress(Exception):
+            end_signature(self.tag.follow, self.source, self.model, self.to, 0,
+                          self._queue).apply_async().get(timeout=DISCARD_SECONDS)
 
     def _run(self, ended: bool, final: bool) -> dict[str, Any]:
         """Send one ``chkq.store_version`` job and wait for it; note a version it published."""

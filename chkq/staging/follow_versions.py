@@ -78,9 +78,8 @@ class VersionPointer:
     Attributes
     ----------
     number
-        The version's number, from 1.
-    key
-        The object that holds it (an interim version's key, or the destination).
+        The version's number, from 1. The object that holds it follows from it
+        (:meth:`key`): the pointer names no key, so it cannot send a reader elsewhere.
     size, sha256
         Its size and SHA-256, as verified before it was published.
     through
@@ -94,13 +93,16 @@ class VersionPointer:
     """
 
     number: int
-    key: str
     size: int
     sha256: str
     through: int
     rows: int
     final: bool
     follow: str
+
+    def key(self, destination: str) -> str:
+        """The key of the object that holds the version, of the output at ``destination``."""
+        return destination if self.final else version_key(destination, self.number)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -116,17 +118,16 @@ class VersionPointer:
         """
         try:
             raw = json.loads(data)
-            pointer = cls(int(raw["number"]), str(raw["key"]), int(raw["size"]),
+            pointer = cls(int(raw["number"]), int(raw["size"]),
                           str(raw["sha256"]), int(raw["through"]), int(raw["rows"]),
                           bool(raw["final"]), str(raw["follow"]))
         except (ValueError, TypeError, KeyError) as exc:
             raise VersionPointerError(f"{where} is not a version pointer ({exc!r})") from None
-        wanted = destination if pointer.final else version_key(destination, pointer.number)
-        if (pointer.key != wanted or pointer_key(destination, pointer.number) != where
+        if (pointer_key(destination, pointer.number) != where or pointer.number < 1
                 or not re.fullmatch(r"[0-9a-f]{64}", pointer.sha256) or pointer.size < 0
                 or pointer.through < 1):
-            raise VersionPointerError(f"{where} is not a pointer of a version of {destination} "
-                                      f"(it names {pointer.key!r}): refused")
+            raise VersionPointerError(f"{where} is not a pointer of a version of {destination}: "
+                                      "refused")
         return pointer
 
 
@@ -186,7 +187,8 @@ def write_pointer(store: CheckpointStore, destination: str, pointer: VersionPoin
             "follower published it): this follow stops; its versions so far stay")
 
 
-def fetch_version(store: CheckpointStore, pointer: VersionPointer, path: Path) -> None:
+def fetch_version(store: CheckpointStore, destination: str, pointer: VersionPointer,
+                  path: Path) -> None:
     """Write the version ``pointer`` names to the new file ``path``, checked against it.
 
     Every read is pinned to the version the object had at the first: a
@@ -200,8 +202,9 @@ def fetch_version(store: CheckpointStore, pointer: VersionPointer, path: Path) -
     KeyError
         If the object is gone (deleted by the cleanup after the final version).
     """
-    url = f"{store.url.rstrip('/')}/{pointer.key}"
-    pinned = store.version(pointer.key)
+    key = pointer.key(destination)
+    url = f"{store.url.rstrip('/')}/{key}"
+    pinned = store.version(key)
     if pinned.size != pointer.size:
         raise CheckpointChangedError(f"version {pointer.number} at {url} holds {pinned.size:,} "
                                      f"bytes, not the {pointer.size:,} its pointer says")
@@ -210,7 +213,7 @@ def fetch_version(store: CheckpointStore, pointer: VersionPointer, path: Path) -
     try:
         offset = 0
         while True:
-            piece = store.get_range_pinned(pointer.key, pinned, offset, READ_BYTES)
+            piece = store.get_range_pinned(key, pinned, offset, READ_BYTES)
             if piece is None:
                 raise CheckpointChangedError(f"version {pointer.number} at {url} changed "
                                              "while it was read")
