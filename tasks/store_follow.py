@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,7 @@ from chkq.errors import (
     CheckpointGapError,
     HistoryChangedError,
     NoCheckpointsError,
+    RunBusyError,
 )
 from chkq.fsutil import private_directory
 from chkq.staging import StoreRun, checkpoint_member, fetch_objects, find_store_run
@@ -189,58 +192,96 @@ def store_version(self: ChkqTask, job: str, follow: str, source: str, model: str
     started = time.monotonic()
     try:
         found = find_store_run(source, model, None, core=core)
-    except NoCheckpointsError:
-        if final:
+    except (NoCheckpointsError, BadCheckpointError):
+        # A checkpoint directory made but still empty, say: the next look will see.
+        if ended:
             raise
         found = None
-    destination = destination_of(found, to) if found is not None else None
-    if found is None or destination is None:
+    if found is None:
         result = {"kind": STORE_VERSION_KIND, "output": "", "store": True, "through": 0,
-                  "version": 0, "queue": own_queue(self), "follow": follow}
+                  "version": 0, "queue": own_queue(self), "follow": follow,
+                  "published": False}
         records().record_finished(job, result)
         return result
+    destination = destination_of(found, to)
     check_store_allowed(destination[0])
     admit_store_run(job, admitted, found, destination, False)
     store = open_store(destination[0], timeouts=core.timeouts)
     private_directory(settings.scratch_root)
     space = workspace_of(source, model, destination)
-    state = _workspace_state(space, store, destination, model)
-    run_dir = space / "run"
-    _fetch_new(found, state, run_dir, core)
-    state.save(space / "state.json")
-    progress = run_progress(run_dir, model, ended=ended)
-    through = _contiguous(progress, found, state, ended)
-    made = None
-    if through > state.through or (final and state.resumed and state.through):
-        made = _make_version(run_dir, model, job, through, state)
-        state.save(space / "state.json")
-    if not state.through:
-        if final:
-            raise NoCheckpointsError(f"no checkpoint of {model!r} in {source} is complete: "
-                                     "nothing to publish")
-        pointer = None
-    elif final:
-        pointer = _upload(store, destination, run_dir / f"{model}.h5", state, follow, True)
-    elif state.local > state.number:
-        pointer = _upload(store, destination, run_dir / f"{model}.h5", state, follow, False)
-    else:
-        pointer = None
-    state.save(space / "state.json")
-    result = {"kind": STORE_VERSION_KIND, "store": True, "follow": follow,
-              "queue": own_queue(self), "through": state.through, "version": state.number,
-              "published": pointer is not None, "final": final,
-              "output": (f"{destination[0].rstrip('/')}/{pointer.key(destination[1])}"
-                         if pointer else ""),
-              "bytes": pointer.size if pointer else 0, "rows": pointer.rows if pointer else 0,
-              "new_rows": int((made or {}).get("new_rows") or (made or {}).get("rows") or 0),
-              "seconds": round(time.monotonic() - started, 3), "warnings": []}
+    with _held(space):
+        result = _look(space, store, found, destination, job, follow, ended, final)
+    result.update(queue=own_queue(self), seconds=round(time.monotonic() - started, 3))
     records().record_finished(job, result)
     return result
 
 
+@contextlib.contextmanager
+def _held(space: Path) -> Iterator[None]:
+    """Hold the workspace ``space`` alone for this process (an ``flock`` beside it).
+
+    Raises
+    ------
+    RunBusyError
+        If another task of a follow of the same run uses it now (a second
+        follower that no claim of the first could see).
+    """
+    fd = os.open(f"{space}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunBusyError(
+                f"another follow of this run is using its workspace on this worker "
+                f"({space.name}): one follow of a run at a time") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _look(space: Path, store: CheckpointStore, found: StoreRun,
+          destination: tuple[str, str], job: str, follow: str, ended: bool, final: bool
+          ) -> dict[str, Any]:
+    """One look of the follow in its workspace: fetch, make and upload the next version."""
+    model = found.model
+    state, latest = _workspace_state(space, store, destination, model)
+    made = None
+    if state.final and latest is not None:
+        pointer: VersionPointer | None = latest  # a final look delivered again
+    else:
+        run_dir = space / "run"
+        _fetch_new(found, state, run_dir, get_settings().core())
+        state.save(space / "state.json")
+        progress = run_progress(run_dir, model, ended=ended)
+        through = _contiguous(progress, found, state, ended)
+        if through > state.through or (final and state.resumed and state.through):
+            made = _make_version(run_dir, model, job, through, state)
+            state.save(space / "state.json")
+        if not state.through:
+            if final:
+                raise NoCheckpointsError(f"no checkpoint of {model!r} in {found.source} is "
+                                         "complete: nothing to publish")
+            pointer = None
+        elif final or state.local > state.number:
+            pointer = _upload(store, destination, run_dir / f"{model}.h5", state, follow, final)
+        else:
+            pointer = None
+        state.save(space / "state.json")
+    return {"kind": STORE_VERSION_KIND, "store": True, "follow": follow,
+            "through": state.through, "version": state.number,
+            "published": pointer is not None, "final": final,
+            "output": (f"{destination[0].rstrip('/')}/{pointer.key(destination[1])}"
+                       if pointer else ""),
+            "bytes": pointer.size if pointer else 0, "rows": pointer.rows if pointer else 0,
+            "new_rows": int((made or {}).get("new_rows") or (made or {}).get("rows") or 0),
+            "warnings": []}
+
+
 def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str, str],
-                     model: str) -> FollowState:
+                     model: str) -> tuple[FollowState, VersionPointer | None]:
     """The follow's state in its workspace, or a new one resumed from the store's newest version.
+
+    Returned with the store's newest pointer.
 
     The workspace is trusted only while it agrees with the store: its last
     uploaded version must be the store's newest pointer (same number and
@@ -248,6 +289,10 @@ def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str
     one left behind while another worker went on) it is made anew.
     """
     latest = latest_pointer(store, destination[1])
+    state = FollowState.load(space / "state.json")
+    if state is not None and state.final and latest is not None and latest.final \
+            and state.number == latest.number and state.sha256 == latest.sha256:
+        return state, latest
     if latest is not None and latest.final:
         raise StoreDestinationExistsError(
             f"the follow of this run already published its final version at "
@@ -257,12 +302,11 @@ def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str
         raise StoreDestinationExistsError(
             f"output {destination[0].rstrip('/')}/{destination[1]} exists; it is never "
             "overwritten")
-    state = FollowState.load(space / "state.json")
     if state is not None and state.destination == list(destination) and (
             (latest is None and state.number == 0)
             or (latest is not None and state.number == latest.number
                 and state.sha256 == latest.sha256)):
-        return state
+        return state, latest
     if space.exists():
         shutil.rmtree(space)
     space.mkdir(mode=0o700)
@@ -273,7 +317,7 @@ def _workspace_state(space: Path, store: CheckpointStore, destination: tuple[str
         state.number = state.local = latest.number
         state.through, state.sha256, state.resumed = latest.through, latest.sha256, True
     state.save(space / "state.json")
-    return state
+    return state, latest
 
 
 def _number_of(model: str, name: str) -> int:
@@ -446,8 +490,11 @@ def store_follow_end(self: ChkqTask, follow: str, source: str, model: str, to: s
                 store.delete(key)
                 deleted += 1
     space = workspace_of(source, model, destination)
-    if space.is_dir() and not space.is_symlink():
-        shutil.rmtree(space, ignore_errors=True)
+    with _held(space):
+        if space.is_dir() and not space.is_symlink():
+            shutil.rmtree(space, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{space}.lock")
     return {"deleted": deleted}
 
 

@@ -155,6 +155,8 @@ def workspaces(places: dict[str, Path], url: str) -> list[Path]:
     """The follow workspaces in the worker's scratch directory of the store run at ``url``."""
     found = []
     for space in (places["scratch"] / "work").glob("follow-*"):
+        if not space.is_dir():
+            continue
         store, key = json.loads((space / "state.json").read_text())["destination"]
         if f"{store.rstrip('/')}/{key}" == f"{url}sim.h5":
             found.append(space)

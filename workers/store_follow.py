@@ -32,7 +32,7 @@ from typing import Any
 
 from chkq.config.celery_app import get_settings
 from chkq.consolidation.discovery import check_model_name
-from chkq.errors import ConfigurationError, NoCheckpointsError
+from chkq.errors import BadCheckpointError, ConfigurationError, NoCheckpointsError
 from chkq.tasks.parties import stage_credential
 from chkq.tasks.state import records
 from chkq.workers.claims import refuse_if_running, run_claim
@@ -61,14 +61,24 @@ class StoreFollowSummary:
                 f"{last.through} ({last.rows:,} rows)")
 
 
-def _listing(source: str, model: str) -> tuple[tuple[str, str], ...]:
-    """The run's objects in the store now, each name with its version (empty: none yet)."""
+def _listing(source: str, model: str, ended: bool,
+             before: tuple[tuple[str, str], ...] | None) -> tuple[tuple[str, str], ...]:
+    """The run's objects in the store now, each name with its version (empty: none yet).
+
+    While the run goes on, a listing the store refuses (a checkpoint directory of a
+    ``file://`` store made but its first file not yet in it) is taken as no change
+    (``before``); once it has ended, the refusal is the follow's error.
+    """
     from chkq.staging import find_store_run
 
     try:
         found = find_store_run(source, model, None, core=get_settings().core())
     except NoCheckpointsError:
         return ()
+    except BadCheckpointError:
+        if ended or before is None:
+            raise
+        return before
     return tuple((o.name, o.version) for o in found.objects)
 
 
@@ -90,6 +100,7 @@ def follow_store_run(
     workers: int | None = None, poll: float = POLL_SECONDS,
     keep_versions: float = KEEP_VERSIONS_SECONDS,
     on_version: Callable[[Version], None] | None = None,
+    on_notice: Callable[[str], None] | None = None,
 ) -> StoreFollowSummary:
     """Publish a version of the store run's output after each completed checkpoint, to the end.
 
@@ -97,7 +108,9 @@ def follow_store_run(
     publishing the final version. ``idle``: or once this many seconds pass
     with no change in the store's listing. ``keep_versions``: seconds the
     interim versions are kept after the final one is published, for readers
-    still reading one. ``on_version`` hears of each version as it is published.
+    still reading one. ``on_version`` hears of each version as it is published;
+    ``on_notice`` hears while a version's job waits that no worker serves its
+    queue, or that the worker running it is gone (the follow waits on).
 
     Raises
     ------
@@ -119,7 +132,7 @@ def follow_store_run(
     with run_claim(model, source) as claimed, _cluster(workers) as cluster:
         if get_settings().broker_url:
             refuse_if_running(model, source)
-        follow = _StoreFollow(model, source, to, claimed, cluster, on_version)
+        follow = _StoreFollow(model, source, to, claimed, cluster, on_version, on_notice)
         try:
             last_new = time.monotonic()
             while True:
@@ -144,11 +157,13 @@ class _StoreFollow:
 
     def __init__(self, model: str, source: str, to: str | None,
                  claimed: Callable[[str], None], cluster: Any,
-                 on_version: Callable[[Version], None] | None) -> None:
+                 on_version: Callable[[Version], None] | None,
+                 on_notice: Callable[[str], None] | None = None) -> None:
         self.model, self.source, self.to = model, source, to
         self.summary = StoreFollowSummary()
         self.tag = _FollowTag(uuid.uuid4().hex, time.time())
         self._claimed, self._cluster, self._on_version = claimed, cluster, on_version
+        self._on_notice = on_notice
         self._queue: str | None = None
         self._listed: tuple[tuple[str, str], ...] | None = None
         self._final = 0
@@ -158,7 +173,7 @@ class _StoreFollow:
 
         Returns whether the listing changed (new or changed objects).
         """
-        listed = _listing(self.source, self.model)
+        listed = _listing(self.source, self.model, ended, self._listed)
         changed = listed != self._listed
         if changed and listed:
             self._run(ended=ended, final=False)
@@ -202,7 +217,7 @@ class _StoreFollow:
                                 final, self._queue, party).apply_async()
         self._claimed(job)
         handle = ConsolidationJob.sent(job, submitted_at=submitted)
-        handle.wait_for_summary(is_alive=self._check_alive)
+        handle.wait_for_summary(is_alive=self._check_alive, on_notice=self._on_notice)
         result = records().finished_result(job) or {}
         self._queue = str(result.get("queue") or "") or self._queue
         if result.get("published"):
@@ -210,7 +225,8 @@ class _StoreFollow:
             self.tag.version(job, number, int(result["through"]))
             version = Version(number, job, int(result["through"]), int(result.get("rows") or 0),
                               float(result.get("seconds") or 0.0), time.time(),
-                              int(result.get("new_rows") or 0))
+                              int(result.get("new_rows") or 0),
+                              where=str(result.get("output") or ""))
             self.summary.versions.append(version)
             if self._on_version is not None:
                 self._on_version(version)

@@ -117,7 +117,7 @@ def _follow(args: argparse.Namespace, line: ProgressLine) -> int:
         found = follow_store_run(args.model, args.source, to=args.to,
                                  done_file=args.done_file, idle=args.idle,
                                  workers=args.workers, keep_versions=keep,
-                                 on_version=published)
+                                 on_version=published, on_notice=line.notice)
         for warning in found.warnings:
             say(f"warning: {warning}")
         say(found.line())
