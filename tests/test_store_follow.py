@@ -80,9 +80,14 @@ def store_url(kind: str, places: dict[str, Path]) -> str:
     return f"s3://{BUCKET}/{name}/"
 
 
+def cluster_env(cluster: Cluster) -> dict[str, str]:
+    """The environment of a ``chkq`` command that uses the module's cluster."""
+    return {**os.environ, "CHKQ_BROKER_URL": cluster.redis.url,
+            "CHKQ_RESULT_BACKEND": cluster.redis.url}
+
+
 def start_follow(cluster: Cluster, url: str, log: Path, *options: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "CHKQ_BROKER_URL": cluster.redis.url,
-           "CHKQ_RESULT_BACKEND": cluster.redis.url}
+    env = cluster_env(cluster)
     with open(log, "a") as sink:
         return subprocess.Popen(
             [sys.executable, "-m", "chkq.workers.cli", "consolidate", "sim", "--from", url,
@@ -149,6 +154,14 @@ def test_a_reader_sees_only_whole_versions_and_the_final_is_the_one_shot(
     assert pointer.through == 5 and pointer.number == len(versions_in(log))
     assert store.list(versions_prefix("sim.h5")) == [f"sim.h5.versions/{pointer.number:06d}.json"]
     assert workspaces(places, url) == []
+    status = subprocess.run(
+        [sys.executable, "-m", "chkq.workers.cli", "status", "--limit", "100"],
+        capture_output=True, text=True, timeout=TIMEOUT, env=cluster_env(cluster))
+    assert status.returncode == 0, status.stderr
+    [block] = [b for b in status.stdout.split("follows:\n", 1)[1].split("  follow ")[1:]
+               if f" of sim in {url}: finished" in b.splitlines()[0]]
+    assert (f"{pointer.number} versions published, the latest through checkpoint 5" in block
+            and f"{url}sim.h5\n" in block), block
 
 
 def workspaces(places: dict[str, Path], url: str) -> list[Path]:
@@ -263,8 +276,7 @@ def test_a_second_follower_of_a_store_run_is_refused_naming_the_first(
     second = subprocess.run(
         [sys.executable, "-m", "chkq.workers.cli", "consolidate", "sim", "--from", url,
          "--follow", "--idle", "5"], capture_output=True, text=True, timeout=TIMEOUT,
-        env={**os.environ, "CHKQ_BROKER_URL": cluster.redis.url,
-             "CHKQ_RESULT_BACKEND": cluster.redis.url})
+        env=cluster_env(cluster))
     os.killpg(first.pid, signal.SIGTERM)
     first.wait(30)
     assert second.returncode == 1, second.stderr
