@@ -67,6 +67,7 @@ from chkq.errors import (
 )
 from chkq.fsutil import private_directory
 from chkq.staging import StoreRun, checkpoint_member, fetch_objects, find_store_run
+from chkq.staging.follow_upload import publish_version_file
 from chkq.staging.follow_versions import (
     VersionPointer,
     fetch_version,
@@ -77,7 +78,6 @@ from chkq.staging.follow_versions import (
     write_pointer,
 )
 from chkq.stores.base import CheckpointStore
-from chkq.stores.publish import publish_file
 from chkq.stores.url import open_store
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
 from chkq.tasks.canvas import fail_signature
@@ -120,6 +120,11 @@ class FollowState:
     sha256: str = ""
     resumed: bool = False
     final: bool = False
+    #: The version the workspace's ``prev.h5`` holds (0: none): the one a new version's
+    #: unchanged parts are copied from, in a store that copies ranges.
+    previous: int = 0
+    #: Bytes of the last version uploaded that the store copied from the one before.
+    copied: int = 0
 
     @classmethod
     def load(cls, path: Path) -> FollowState | None:
@@ -273,6 +278,7 @@ def _look(space: Path, store: CheckpointStore, found: StoreRun,
             "output": (f"{destination[0].rstrip('/')}/{pointer.key(destination[1])}"
                        if pointer else ""),
             "bytes": pointer.size if pointer else 0, "rows": pointer.rows if pointer else 0,
+            "copied_bytes": state.copied if pointer else 0,
             "new_rows": int((made or {}).get("new_rows") or (made or {}).get("rows") or 0),
             "warnings": []}
 
@@ -407,6 +413,8 @@ def _make_version(run_dir: Path, model: str, job: str, through: int,
     """The next version in the workspace's ``MODEL.h5``; the state says it is there, not sent."""
     settings = get_settings()
     output = run_dir / f"{model}.h5"
+    if state.number and state.local == state.number and output.exists():
+        _keep_previous(output, state)
     if not output.exists():
         consolidate_here(run_dir, model, block_bytes=settings.block_bytes,
                          task_bytes=settings.task_bytes, task_files=settings.task_files,
@@ -425,30 +433,68 @@ def _make_version(run_dir: Path, model: str, job: str, through: int,
     return record
 
 
+def _restamped(output: Path, state: FollowState, before: FileStamp) -> None:
+    """The version record's stamp of ``output`` after a new link to it moved its change time.
+
+    Only the change time may differ: a file whose size, modification time or
+    inode changed keeps its old stamp, and the next version refuses it.
+    """
+    after = FileStamp.of(os.stat(output))
+    if state.record is not None and state.record.get("output_stamp") == before.as_list() \
+            and dataclasses.replace(after, ctime_ns=before.ctime_ns) == before:
+        state.record["output_stamp"] = after.as_list()
+
+
+def _keep_previous(output: Path, state: FollowState) -> None:
+    """Keep the uploaded version as ``prev.h5`` (a link) while the next is built from it."""
+    before = FileStamp.of(os.stat(output))
+    kept = output.parent.parent / "prev.h5"
+    temp = kept.with_name(f".prev.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
+    os.link(output, temp)
+    os.replace(temp, kept)
+    _restamped(output, state, before)
+    state.previous = state.number
+
+
 def _upload(store: CheckpointStore, destination: tuple[str, str], output: Path,
             state: FollowState, follow: str, final: bool) -> VersionPointer:
-    """Publish the workspace's version create-if-absent, then its pointer; return the pointer."""
+    """Publish the workspace's version create-if-absent, then its pointer; return the pointer.
+
+    Where the store copies ranges, the parts equal to the previous version's
+    are copied from its object (:mod:`chkq.staging.follow_upload`).
+    """
     number = state.number + 1
     key = destination[1] if final else version_key(destination[1], number)
     if not final and store.exists(key) and not store.exists(pointer_key(destination[1], number)):
         # Left by a follower lost before it wrote the pointer: no reader ever used it.
         with contextlib.suppress(KeyError):
             store.delete(key)
+    kept = output.parent.parent / "prev.h5"
+    previous = None
+    if state.number and state.local == state.number:
+        previous = (version_key(destination[1], state.number), output)
+    elif state.number and state.previous == state.number and kept.exists():
+        previous = (version_key(destination[1], state.number), kept)
     before = FileStamp.of(os.stat(output))
-    published = publish_file(store, key, output, part_bytes=get_settings().upload_part_bytes)
-    after = FileStamp.of(os.stat(output))
-    if state.record is not None and state.record.get("output_stamp") == before.as_list() \
-            and dataclasses.replace(after, ctime_ns=before.ctime_ns) == before:
-        # A local store links the file itself into place: only its change time moved.
-        state.record["output_stamp"] = after.as_list()
+    sent = publish_version_file(store, key, output,
+                                part_bytes=get_settings().upload_part_bytes, previous=previous)
+    published = sent.published
+    _restamped(output, state, before)  # a local store links the file itself into place
+    with contextlib.suppress(FileNotFoundError):
+        kept.unlink()
+    state.previous = 0
     rows, _ = _rows(output)
     pointer = VersionPointer(number, published.size, published.sha256, state.through,
                              rows, final, follow)
     write_pointer(store, destination[1], pointer)
     state.number = state.local = number
     state.sha256, state.final = published.sha256, final
-    log.info("follow=%s published version %d through checkpoint %d at %s (%d bytes)",
-             follow, number, state.through, published.url, published.size)
+    state.copied = sent.copied
+    log.info("follow=%s published version %d through checkpoint %d at %s (%d bytes, %d "
+             "copied by the store from the previous version)", follow, number, state.through,
+             published.url, published.size, sent.copied)
     return pointer
 
 

@@ -13,6 +13,7 @@ The workers are real processes against a real redis-server; S3 is moto's server 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,8 +28,10 @@ import h5py
 import pytest
 
 from chkq.demo import RunShape, write_checkpoint_file
+from chkq.staging.follow_upload import publish_version_file
 from chkq.staging.follow_versions import fetch_version, latest_pointer, versions_prefix
 from chkq.stores import CheckpointStore, open_store
+from chkq.stores.publish import publish_file
 from chkq.workers.client import submit_store_consolidation
 from support import fake_simulation, store_follow_reader
 from support.helpers import assert_same_hdf5, wait_for
@@ -64,6 +67,7 @@ def cluster(redis_server: object, s3_endpoint: str, places: dict[str, Path]
     try:
         made.add_workers(1, "control,copy,verify,commit", concurrency=2, env={
             **LIMITS, "CHKQ_SCRATCH_DIR": str(places["scratch"] / "work"),
+            "CHKQ_UPLOAD_PART_BYTES": str(5 << 20),
             "CHKQ_ALLOWED_ROOTS": f"{places['scratch']}:{places['stores']}"})
         yield made
     finally:
@@ -295,3 +299,59 @@ def test_store_follow_options_are_checked_before_anything_runs(tmp_path: Path) -
          str(tmp_path), "--follow", "--idle", "3", "--keep-versions", "1"],
         capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--keep-versions needs --from" in done.stderr, done.stderr
+
+
+def test_a_large_version_on_s3_is_mostly_copied_from_the_previous_one_and_ends_right(
+        cluster: Cluster, places: dict[str, Path], tmp_path: Path) -> None:
+    """Checkpoints of 24 MiB: the second version's parts that the first holds unchanged are
+    copied by S3, and the final version still equals a one-shot consolidation."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    url = store_url("s3", places)
+    store = open_store(url)
+    shape = RunShape(trials=30000, spec_columns=64, chunk_rows=1024)
+    first = run_dir / "sim_chk00001.h5"
+    write_checkpoint_file(first, shape, 0, 30000, 1)
+    upload(store, first)
+    log, done = tmp_path / "follow.log", tmp_path / "done"
+    follower = start_follow(cluster, url, log, "--done-file", str(done), "--keep-versions", "0")
+    wait_for(lambda: len(versions_in(log)) == 1, TIMEOUT, "the first version")
+    second = run_dir / "sim_chk00002.h5"
+    write_checkpoint_file(second, shape, 30000, 30000, 2)
+    upload(store, second)
+    wait_for(lambda: len(versions_in(log)) == 2, TIMEOUT, "the second version")
+    done.touch()
+    assert follower.wait(TIMEOUT) == 0, log.read_text()
+    lines = versions_in(log)
+    copied = int(lines[1].split(" (")[-1].split(" of ")[0].replace(",", ""))
+    assert copied >= 10 << 20, lines
+    final = fetched(store, "sim.h5", tmp_path / "final.h5")
+    assert rows_of(final) == 60000
+    assert_same_hdf5(final, one_shot_from(run_dir, files_of(run_dir), places, tmp_path))
+
+
+def test_a_version_on_s3_copies_its_unchanged_parts_from_the_previous_version_object(
+        s3_endpoint: str, tmp_path: Path) -> None:
+    """The store copies what the new version shares with the previous one at the same offsets;
+    a previous object that is not the previous version's bytes gets the version sent whole."""
+    part = 5 << 20
+    store = open_store(f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/")
+    old = os.urandom(3 * part + 1000)
+    new = bytearray(old[:3 * part])
+    new[part + 17] ^= 0xFF                      # the second part changed (metadata, say)
+    new += os.urandom(part + 5000)              # the new rows, and the tail
+    old_path, new_path = tmp_path / "old.h5", tmp_path / "new.h5"
+    old_path.write_bytes(old)
+    new_path.write_bytes(bytes(new))
+    publish_file(store, "sim.h5.versions/000001.h5", old_path, part_bytes=part)
+    sent = publish_version_file(store, "sim.h5.versions/000002.h5", new_path, part_bytes=part,
+                                previous=("sim.h5.versions/000001.h5", old_path))
+    assert sent.copied == 2 * part              # parts 1 and 3; the rest was sent
+    assert store.get("sim.h5.versions/000002.h5") == bytes(new)
+    assert sent.published.sha256 == hashlib.sha256(new).hexdigest()
+    store.put("sim.h5.versions/000001.h5", os.urandom(len(old)))   # not the previous version
+    again = publish_version_file(store, "sim.h5.versions/000003.h5", new_path, part_bytes=part,
+                                 previous=("sim.h5.versions/000001.h5", old_path))
+    assert again.copied == 0
+    assert store.get("sim.h5.versions/000003.h5") == bytes(new)
+    assert store.stray_uploads("sim.h5.versions/") == []

@@ -152,6 +152,14 @@ def follow_store_run(
         return follow.summary
 
 
+def _where(result: dict[str, Any]) -> str:
+    """Where a version went, and what of it the store copied from the version before."""
+    copied = int(result.get("copied_bytes") or 0)
+    return str(result.get("output") or "") + (
+        f" ({copied:,} of {int(result.get('bytes') or 0):,} bytes copied by the store from "
+        "the previous version)" if copied else "")
+
+
 class _StoreFollow:
     """One follow of a store run under way: its jobs, its worker's queue, what it published."""
 
@@ -226,7 +234,7 @@ class _StoreFollow:
             version = Version(number, job, int(result["through"]), int(result.get("rows") or 0),
                               float(result.get("seconds") or 0.0), time.time(),
                               int(result.get("new_rows") or 0),
-                              where=str(result.get("output") or ""))
+                              where=_where(result))
             self.summary.versions.append(version)
             if self._on_version is not None:
                 self._on_version(version)
