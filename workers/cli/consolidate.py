@@ -188,10 +188,11 @@ def register(sub: Any) -> None:
     p.add_argument("--follow", action="store_true",
                    help="run beside the simulation: after each completed checkpoint, publish "
                    "a new verified version of MODEL.h5 holding every checkpoint so far "
-                   "(atomically replaced: a reader always opens one whole version)")
+                   "(atomically replaced: a reader always opens one whole version; with "
+                   "--from, an object per version under DEST.versions/ and a pointer to it)")
     p.add_argument("--done-file", type=Path, metavar="PATH",
-                   help="with --follow: the run has ended once PATH exists; the final version "
-                   "is then published")
+                   help="with --follow: the run has ended once PATH exists (a path on this "
+                   "machine, which workers need not see); the final version is then published")
     p.add_argument("--idle", type=positive_float, metavar="SECONDS",
                    help="with --follow: the run has ended after SECONDS without a new "
                    "completed checkpoint")
