@@ -374,12 +374,11 @@ def _contiguous(progress: RunProgress, found: StoreRun, state: FollowState, ende
     CheckpointGapError
         At the run's end, for checkpoints missing between those found.
     """
-    run_dir_name = None
     if progress.overtaken or (ended and progress.waiting):
         waiting = progress.waiting[0]
-        run_dir_name = waiting.parent.name if waiting.parent.name.startswith(
-            f"{found.model}_chk") else ""
-        name = f"{run_dir_name}/{waiting.name}" if run_dir_name else waiting.name
+        folder = waiting.parent.name
+        name = (f"{folder}/{waiting.name}" if checkpoint_member(found.model, f"{folder}/x.h5")
+                else waiting.name)
         why = "a later checkpoint is complete" if progress.overtaken else "the run has ended"
         raise BadCheckpointError(
             f"checkpoint object {found.url_of(name)!r} is damaged or incomplete (it cannot be "
