@@ -20,13 +20,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import h5py
 import pytest
 
+from chkq.consolidation.driver import consolidate_here
 from chkq.demo import RunShape, write_checkpoint_file
 from chkq.staging.follow_upload import publish_version_file
 from chkq.staging.follow_versions import fetch_version, latest_pointer, versions_prefix
@@ -355,3 +357,41 @@ def test_a_version_on_s3_copies_its_unchanged_parts_from_the_previous_version_ob
     assert again.copied == 0
     assert store.get("sim.h5.versions/000003.h5") == bytes(new)
     assert store.stray_uploads("sim.h5.versions/") == []
+
+
+@pytest.mark.fault
+def test_a_worker_killed_between_versions_and_started_again_under_its_name_goes_on(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    """The follow's jobs go to its worker's own queue: killed outright, the worker leaves the
+    next version waiting there; started again under its name (same scratch directory) it
+    takes that job, extends the version its workspace kept, and the follow ends right."""
+    cluster = make_cluster()
+    env = {"CHKQ_SCRATCH_DIR": str(tmp_path / "scratch"),
+           "CHKQ_ALLOWED_ROOTS": str(tmp_path / "scratch")}
+    (worker,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/"
+    store = open_store(url)
+    upload(store, write(run_dir, 1, 0, 200))
+    log, done = tmp_path / "follow.log", tmp_path / "done"
+    follower = start_follow(cluster, url, log, "--done-file", str(done), "--keep-versions", "0")
+    wait_for(lambda: len(versions_in(log)) == 1, TIMEOUT, "the first version")
+    worker.kill()
+    upload(store, write(run_dir, 2, 200, 150))
+    time.sleep(2)  # the follower has sent the next version's job to the dead worker's queue
+    assert len(versions_in(log)) == 1 and follower.poll() is None, log.read_text()
+    (again,) = cluster.add_workers(1, "control,copy,verify", concurrency=2, env=env,
+                                   name=worker.name)
+    wait_for(lambda: len(versions_in(log)) == 2, TIMEOUT, "the version after the restart")
+    assert versions_in(log)[1].startswith("version 2: checkpoints 1..2, "), log.read_text()
+    done.touch()
+    assert follower.wait(TIMEOUT) == 0, log.read_text()
+    assert "chkq.store_version" in again.log()
+    again.stop()
+    final = fetched(store, "sim.h5", tmp_path / "final.h5")
+    assert rows_of(final) == 350
+    reference = tmp_path / "reference"
+    shutil.copytree(run_dir, reference)
+    assert_same_hdf5(final, consolidate_here(reference, "sim"))
+    assert [p for p in (tmp_path / "scratch").iterdir() if p.is_dir()] == []
