@@ -37,6 +37,8 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     "chkq.copy": {"queue": COPY_QUEUE},
     "chkq.verify": {"queue": VERIFY_QUEUE},
     "chkq.version": {"queue": COPY_QUEUE},
+    "chkq.store_version": {"queue": CONTROL_QUEUE},
+    "chkq.store_follow_end": {"queue": CONTROL_QUEUE},
     "chkq.commit": {"queue": COMMIT_QUEUE},
 }
 

@@ -57,11 +57,15 @@ class Version:
     published_at: float
     new_rows: int = 0
     clone: str = ""
+    #: Where the version was published, when it is not the follow's output path (a store's
+    #: interim version object, or the final one at the destination key).
+    where: str = ""
 
     def line(self) -> str:
         """What a follower prints of the version as it is published."""
         return (f"version {self.number}: checkpoints 1..{self.through}, {self.rows:,} rows "
-                f"({self.new_rows:,} new) in {self.seconds:.1f} s")
+                f"({self.new_rows:,} new) in {self.seconds:.1f} s"
+                + (f": {self.where}" if self.where else ""))
 
 
 @dataclass

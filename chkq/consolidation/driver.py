@@ -24,12 +24,15 @@ def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
                      block_bytes: int = DEFAULT_BLOCK_BYTES,
                      task_bytes: int = DEFAULT_BLOCK_BYTES, task_files: int = 64,
                      allow_gaps: bool = False,
-                     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> Path:
+                     max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                     through: int | None = None) -> Path:
     """Consolidate ``model``'s checkpoints in ``out_dir`` here and now; return the output.
 
     ``max_decoded_bytes`` bounds the run's filtered rows, decoded, as a
     worker's ``CHKQ_MAX_DECODED_BYTES`` does
-    (:func:`chkq.consolidation.memory_bounds.check_decoded`).
+    (:func:`chkq.consolidation.memory_bounds.check_decoded`). ``through``:
+    only the checkpoints up to this number, as for :func:`prepare` (the
+    first version of a followed run).
 
     Raises what the job would (subclasses of :class:`chkq.ChkqError`:
     NoCheckpointsError, OutputExistsError, CheckpointGapError unless
@@ -39,7 +42,7 @@ def consolidate_here(out_dir: str | Path, model: str, *, cleanup: bool = False,
     job_id = uuid.uuid4().hex
     plan = prepare(out_dir, model, job_id, cleanup=cleanup, block_bytes=block_bytes,
                    task_bytes=task_bytes, task_files=task_files, allow_gaps=allow_gaps,
-                   max_decoded_bytes=max_decoded_bytes)
+                   max_decoded_bytes=max_decoded_bytes, through=through)
     try:
         copies = {unit: copy_unit(plan, unit).digests for unit in range(len(plan.copy_units))}
         merge_parts(plan)

@@ -1,12 +1,14 @@
 """A slow slug-like simulation: each checkpoint file stays open for writing a while.
 
 Usage: ``python tests/support/fake_simulation.py OUT_DIR MODEL CHECKPOINTS WRITERS PAUSE
-[--trials N] [--compression gzip] [--chunk-rows N] [--done PATH]``, or :func:`start` from
-a test. Each file is created, filled, flushed, left open for ``PAUSE`` seconds, and
-only then gets ``trials_completed`` and is closed, as slug does. ``WRITERS`` 0 writes
+[--trials N] [--compression gzip] [--chunk-rows N] [--done PATH] [--upload STORE_URL]``, or
+:func:`start` from a test. Each file is created, filled, flushed, left open for ``PAUSE``
+seconds, and only then gets ``trials_completed`` and is closed, as slug does. ``WRITERS`` 0 writes
 each checkpoint as one file, more a directory of ``thread_NNNN.h5`` (the last of which
 ran no trial in checkpoint 2). Checkpoint ``n`` holds ``trials + 3 n`` trials a writer,
 so that checkpoints end off the chunk grid. ``--done`` is created once the run ends.
+``--upload``: each file, once closed, is also put into the store at its name in the run
+directory (a simulation that writes locally and copies each finished file to a bucket).
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ def checkpoint_trials(trials: int, number: int, writer: int, writers: int) -> in
 
 
 def main(out_dir: Path, model: str, checkpoints: int, writers: int, pause: float,
-         shape: RunShape | None = None, done: Path | None = None) -> None:
+         shape: RunShape | None = None, done: Path | None = None,
+         upload: str | None = None) -> None:
     shape = shape or RunShape(trials=40, spec_columns=8)
+    store = None
+    if upload is not None:
+        from chkq.stores import open_store
+
+        store = open_store(upload)
     trial = 0
     for number in range(1, checkpoints + 1):
         if writers:
@@ -48,6 +56,8 @@ def main(out_dir: Path, model: str, checkpoints: int, writers: int, pause: float
                 time.sleep(pause)
                 trial += trials
                 mark_complete(f, trial)
+            if store is not None:
+                store.put(str(path.relative_to(out_dir)), path.read_bytes())
         time.sleep(pause / 2)
     if done is not None:
         done.touch()
@@ -68,9 +78,10 @@ if __name__ == "__main__":
     parser.add_argument("--compression", default=None)
     parser.add_argument("--chunk-rows", type=int, default=256)
     parser.add_argument("--done", type=Path, default=None)
+    parser.add_argument("--upload", default=None)
     args = parser.parse_args()
     main(Path(args.out_dir), args.model, int(args.checkpoints), int(args.writers),
          float(args.pause),
          RunShape(trials=args.trials, spec_columns=8, compression=args.compression,
                   chunk_rows=args.chunk_rows),
-         args.done)
+         args.done, args.upload)

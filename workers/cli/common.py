@@ -74,6 +74,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
 def say(message: str, stream: TextIO | None = None) -> None:
     """Print one line on stderr; a closed stream (a hung-up terminal) is not an error."""
     with contextlib.suppress(OSError, ValueError):

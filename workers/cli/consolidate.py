@@ -7,7 +7,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from chkq.errors import ConfigurationError
-from chkq.workers.cli.common import Interrupted, ProgressLine, positive_float, positive_int, say
+from chkq.workers.cli.common import (
+    Interrupted,
+    ProgressLine,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    say,
+)
 
 if TYPE_CHECKING:
     from chkq.workers.client import ConsolidationJob
@@ -103,6 +110,19 @@ def _follow(args: argparse.Namespace, line: ProgressLine) -> int:
         line.close()
         say(version.line())
 
+    if args.source is not None:
+        from chkq.workers.store_follow import KEEP_VERSIONS_SECONDS, follow_store_run
+
+        keep = KEEP_VERSIONS_SECONDS if args.keep_versions is None else args.keep_versions
+        found = follow_store_run(args.model, args.source, to=args.to,
+                                 done_file=args.done_file, idle=args.idle,
+                                 workers=args.workers, keep_versions=keep,
+                                 on_version=published, on_notice=line.notice)
+        for warning in found.warnings:
+            say(f"warning: {warning}")
+        say(found.line())
+        print(found.output, flush=True)
+        return 0
     try:
         summary = follow_run(args.model, args.out_dir, done_file=args.done_file,
                              idle=args.idle, cleanup=args.cleanup, workers=args.workers,
@@ -127,14 +147,21 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.source is not None and args.out_dir is not None:
         parser.error("consolidate: --out-dir and --from name two different runs; give one")
     if not args.follow:
-        for flag, value in (("--done-file", args.done_file), ("--idle", args.idle)):
+        for flag, value in (("--done-file", args.done_file), ("--idle", args.idle),
+                            ("--keep-versions", args.keep_versions)):
             if value is not None:
                 parser.error(f"consolidate: {flag} needs --follow")
         return
     if args.done_file is None and args.idle is None:
         parser.error("consolidate: --follow needs --done-file PATH or --idle SECONDS to know "
                      "when the run has ended")
-    for flag, value in (("--from", args.source), ("--no-wait", args.no_wait),
+    if args.source is None and args.keep_versions is not None:
+        parser.error("consolidate: --keep-versions needs --from (a follow of a store run)")
+    if args.source is not None:
+        for flag, value in (("--run", args.run), ("--cleanup", args.cleanup)):
+            if value:
+                parser.error(f"consolidate: --follow with --from does not take {flag} yet")
+    for flag, value in (("--no-wait", args.no_wait),
                         ("--dry-run", args.dry_run), ("--allow-gaps", args.allow_gaps),
                         ("--timeout", args.timeout)):
         if value:
@@ -161,13 +188,17 @@ def register(sub: Any) -> None:
     p.add_argument("--follow", action="store_true",
                    help="run beside the simulation: after each completed checkpoint, publish "
                    "a new verified version of MODEL.h5 holding every checkpoint so far "
-                   "(atomically replaced: a reader always opens one whole version)")
+                   "(atomically replaced: a reader always opens one whole version; with "
+                   "--from, an object per version under DEST.versions/ and a pointer to it)")
     p.add_argument("--done-file", type=Path, metavar="PATH",
-                   help="with --follow: the run has ended once PATH exists; the final version "
-                   "is then published")
+                   help="with --follow: the run has ended once PATH exists (a path on this "
+                   "machine, which workers need not see); the final version is then published")
     p.add_argument("--idle", type=positive_float, metavar="SECONDS",
                    help="with --follow: the run has ended after SECONDS without a new "
                    "completed checkpoint")
+    p.add_argument("--keep-versions", type=non_negative_float, metavar="SECONDS",
+                   help="with --from and --follow: keep the interim versions this long after "
+                   "the final one is published, for readers still reading one (default: 30)")
     p.add_argument("--cleanup", action="store_true",
                    help="delete the checkpoints once the output is verified and linked")
     p.add_argument("--workers", type=positive_int, default=None,
