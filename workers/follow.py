@@ -103,7 +103,7 @@ def submit_version(model: str, directory: Path, through: int, previous: str | No
 
 
 @contextlib.contextmanager
-def _cluster(workers: int | None) -> Iterator[EmbeddedCluster | None]:
+def follow_cluster(workers: int | None) -> Iterator[EmbeddedCluster | None]:
     """The configured cluster (None), or an embedded one for the follow's length."""
     if get_settings().broker_url:
         yield None
@@ -191,10 +191,10 @@ def following(
     """
     directory = out_dir_of(out_dir)
     model = check_model_name(model_name)
-    with run_claim(model, str(directory)) as claimed, _cluster(workers) as cluster:
+    with run_claim(model, str(directory)) as claimed, follow_cluster(workers) as cluster:
         if get_settings().broker_url:
             refuse_if_running(model, str(directory))
-        tag = _FollowTag(uuid.uuid4().hex, time.time())
+        tag = FollowTag(uuid.uuid4().hex, time.time())
         try:
             yield Follow(model, directory, cleanup, on_version, on_wait, claimed, cluster, tag)
         except BaseException as exc:
@@ -206,7 +206,7 @@ def following(
 
 
 @dataclass
-class _FollowTag:
+class FollowTag:
     """The follow record of each version's job, which ``chkq status`` reads the follow from."""
 
     follow: str
@@ -247,7 +247,7 @@ class Follow:
     def __init__(self, model: str, directory: Path, cleanup: bool,
                  on_version: Callable[[Version], None] | None,
                  on_wait: Callable[[], None] | None, claimed: Callable[[str], None],
-                 cluster: EmbeddedCluster | None, tag: _FollowTag) -> None:
+                 cluster: EmbeddedCluster | None, tag: FollowTag) -> None:
         self.model = model
         self.directory = directory
         self.summary = FollowSummary(directory / f"{model}.h5")

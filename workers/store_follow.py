@@ -37,7 +37,7 @@ from chkq.tasks.parties import stage_credential
 from chkq.tasks.state import records
 from chkq.workers.claims import refuse_if_running, run_claim
 from chkq.workers.client import ConsolidationJob
-from chkq.workers.follow import POLL_SECONDS, Version, _cluster, _FollowTag
+from chkq.workers.follow import POLL_SECONDS, FollowTag, Version, follow_cluster
 
 #: Seconds the interim versions stay after the final version is published, by default.
 KEEP_VERSIONS_SECONDS = 30.0
@@ -129,7 +129,7 @@ def follow_store_run(
                                  "the run has ended")
     model = check_model_name(model_name)
     _check_destination(source, model, to)
-    with run_claim(model, source) as claimed, _cluster(workers) as cluster:
+    with run_claim(model, source) as claimed, follow_cluster(workers) as cluster:
         if get_settings().broker_url:
             refuse_if_running(model, source)
         follow = _StoreFollow(model, source, to, claimed, cluster, on_version, on_notice)
@@ -169,7 +169,7 @@ class _StoreFollow:
                  on_notice: Callable[[str], None] | None = None) -> None:
         self.model, self.source, self.to = model, source, to
         self.summary = StoreFollowSummary()
-        self.tag = _FollowTag(uuid.uuid4().hex, time.time())
+        self.tag = FollowTag(uuid.uuid4().hex, time.time())
         self._claimed, self._cluster, self._on_version = claimed, cluster, on_version
         self._on_notice = on_notice
         self._queue: str | None = None
