@@ -221,3 +221,13 @@ def test_the_flag_is_covered_by_the_signed_credential(
     assert type(refused.value).__name__ == "NotPermittedError", refused.value
     assert "differs in verify_data" in str(refused.value), refused.value
     assert store.list() == sorted(keys)
+
+
+def test_the_flag_needs_a_run_kept_in_a_store(tmp_path: Path) -> None:
+    done = subprocess.run([*CLI, "consolidate", "sim", "--out-dir", str(tmp_path),
+                           "--verify-data"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--verify-data needs --from" in done.stderr, done.stderr
+    helped = subprocess.run([*CLI, "consolidate", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert "--verify-data" in helped.stdout and "on one node" in " ".join(helped.stdout.split())
