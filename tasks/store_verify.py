@@ -54,6 +54,7 @@ from chkq.jobs.records import check_target, task_id
 from chkq.staging import SourceObject, delete_sources
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
+from chkq.stores.publish import staged_key
 from chkq.stores.shared_upload import PartRecord, SharedUpload, checksums_match
 from chkq.stores.url import open_store
 from chkq.tasks.base import Checked, ChkqTask, task_lifecycle
@@ -79,7 +80,7 @@ def assembled_key(found: StoreJob) -> str:
     """Where a spread job completes its output: the output's key, or with ``--verify-data``
     a key of the job's own beside it, until every row was read back."""
     key = found.destination[1]
-    return f"{key}.chkq-staged-{check_job_id(found.job)}" if found.verify_data else key
+    return staged_key(key, check_job_id(found.job)) if found.verify_data else key
 
 
 def _store(url: str) -> CheckpointStore:

@@ -166,6 +166,31 @@ def test_a_source_changed_under_its_pin_after_the_copy_fails_the_job_with_nothin
     assert f"of checkpoint file '{url + victim}'" in shown, shown
 
 
+def test_the_destination_taken_while_the_rows_are_read_back_is_left_as_found(
+        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+    """Someone else creates the output's key once the job staged its output: the job fails
+    naming it, their object is untouched, the staged object and every upload are gone."""
+    del s3_endpoint
+    _two_nodes(make_cluster, tmp_path)
+    run_dir = tmp_path / "run"
+    files = make_run(run_dir, "sim", SHAPE)
+    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/"
+    store = open_store(url)
+    keys = upload_run(files, run_dir, store)
+
+    job = submit_store_consolidation("sim", url, verify_data=True)
+    wait_for(lambda: records().staged(job.id) is not None, TIMEOUT, "the output to be staged",
+             interval=0.005)
+    theirs = b"someone else's " + uuid.uuid4().bytes
+    assert store.put_if_absent("sim.h5", theirs)
+
+    with pytest.raises(Exception) as failed:
+        job.wait_for_output(timeout=TIMEOUT)
+    assert "never overwritten" in str(failed.value), failed.value
+    assert store.get("sim.h5") == theirs
+    _nothing_left(store, [*keys, "sim.h5"])
+
+
 def _keyed_worker(make_cluster: Callable[..., Cluster], tmp_path: Path) -> bytes:
     """One worker that runs jobs only for users proving who they are; this user's key."""
     keys_dir = tmp_path / "users"
@@ -231,3 +256,24 @@ def test_the_flag_needs_a_run_kept_in_a_store(tmp_path: Path) -> None:
     helped = subprocess.run([*CLI, "consolidate", "--help"], capture_output=True, text=True,
                             timeout=60)
     assert "--verify-data" in helped.stdout and "on one node" in " ".join(helped.stdout.split())
+
+
+def test_gc_deletes_staged_outputs_left_behind_and_nothing_else(tmp_path: Path) -> None:
+    """A staged output a job left (cancelled between two steps, say) is deleted by
+    ``chkq gc`` once old enough; other objects, even with a similar name, are kept."""
+    root = tmp_path / "store"
+    root.mkdir()
+    store = open_store(root.as_uri() + "/")
+    left = f"run/sim.h5.chkq-staged-{uuid.uuid4().hex}"
+    kept = ["run/sim.h5", "run/sim_chk00001.h5", "run/sim.h5.chkq-staged-notajob",
+            f"run/sim.h5.chkq-staged-{uuid.uuid4().hex}.h5"]
+    for key in [left, *kept]:
+        store.put(key, b"bytes")
+    young = subprocess.run([*CLI, "gc", store.url], capture_output=True, text=True, timeout=60)
+    assert young.returncode == 0 and store.exists(left), young.stderr
+    done = subprocess.run([*CLI, "gc", store.url, "--older-than", "0"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [left]
+    assert "deleted 1 staged output(s)" in done.stderr, done.stderr
+    assert store.list() == sorted(kept)
