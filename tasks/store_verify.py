@@ -272,7 +272,13 @@ def publish_verified(self: ChkqTask, out_dir: str, model: str, job: str) -> dict
         discard_staged(job, found)
         raise Ignore()
     store = _store(found.destination[0])
-    copied = publish_copy(store, job, staged_key, staged, found)
+    try:
+        copied = publish_copy(store, job, staged_key, staged, found)
+    except BaseException:
+        # This step's id is the job's: its failure is what the client sees first, so the
+        # staged object goes before it, not only in the errback.
+        discard_staged(job, found)
+        raise
     store.delete(staged_key)
     return finish_spread(found, plan, {
         **summary, "verified_rows": rows, "verified_bytes": read,
