@@ -74,13 +74,16 @@ def _nothing_left(store: CheckpointStore, keys: list[str]) -> None:
     wait_for(lambda: store.stray_uploads() == [], 30, "the job's uploads to be aborted")
 
 
+@pytest.mark.parametrize("kind", ["s3", "file"])
 def test_a_spread_job_reads_every_row_back_before_it_publishes(
-        make_cluster: Callable[..., Cluster], s3_endpoint: str, tmp_path: Path) -> None:
+        kind: str, make_cluster: Callable[..., Cluster], s3_endpoint: str,
+        tmp_path: Path) -> None:
     del s3_endpoint
     cluster, workers = _two_nodes(make_cluster, tmp_path)
     run_dir = tmp_path / "run"
     files = make_run(run_dir, "sim", SHAPE)
-    url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/"
+    url = (f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}/" if kind == "s3"
+           else (tmp_path / "stores" / uuid.uuid4().hex[:12]).as_uri() + "/")
     store = open_store(url)
     keys = upload_run(files, run_dir, store)
 
