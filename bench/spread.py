@@ -17,6 +17,10 @@ one node    today's path (``CHKQ_SPREAD_BYTES`` above the run): one worker
 spread N    ``CHKQ_SPREAD_BYTES=0`` on N nodes: metadata mirrors on the
             staging node, parts copied by S3 (``UploadPartCopy``) or built
             by any node, the upload completed create-if-absent
+spread N    with ``--verify-data``, the same as ``spread N`` with the job's
++ verify    ``--verify-data``: the output completed at a staging key, every
+            row read back from S3 and compared with its source, then
+            copied to the key (``UploadPartCopy``)
 ==========  ============================================================
 
 Reported per row: median/min/max seconds, the ratio to the one-node row,
@@ -26,7 +30,10 @@ scratch of the busiest node (allocated blocks, sampled every 0.1 s).
 Usage::
 
     .venv/bin/python bench/spread.py [--checkpoints 8] [--trials 30000] [--repeat 3]
-        [--nodes 1,2,3] [--keep DIR]
+        [--nodes 1,2,3] [--verify-data] [--no-one-node] [--keep DIR]
+
+With ``--verify-data``, each ``spread N`` row is followed by the same job with
+``--verify-data`` on the same nodes, and the ratio of the two is printed.
 """
 
 from __future__ import annotations
@@ -117,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide", action="store_true",
                         help="checkpoints of one 1,024-column dataset (every dataset >= 64 MiB "
                         "a checkpoint) instead of the demo layout's seven")
+    parser.add_argument("--verify-data", action="store_true",
+                        help="also run each spread row with --verify-data, on the same nodes")
+    parser.add_argument("--no-one-node", action="store_true",
+                        help="leave out the one-node row (ratios are then to the first row)")
     args = parser.parse_args(argv)
 
     from chkq.config.celery_app import make_app, use_app
@@ -156,11 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# run: {len(files)} files, {run_bytes / 1e6:,.1f} MB; host load "
               f"{os.getloadavg()[0]:.2f}; parts {parts}", flush=True)
 
-        rows = [("one node", 1, {"CHKQ_SPREAD_BYTES": str(1 << 50)})]
+        rows = [] if args.no_one_node else [("one node", 1, {"CHKQ_SPREAD_BYTES": str(1 << 50)})]
         rows += [(f"spread {n}", n, {"CHKQ_SPREAD_BYTES": "0"})
                  for n in (int(x) for x in args.nodes.split(","))]
         results: dict[str, tuple[list[float], list[float], list[int], dict]] = {}
-        for label, count, env in rows:
+        runs = [(label, count, env, verify) for label, count, env in rows
+                for verify in ((False, True) if args.verify_data and label != "one node"
+                               else (False,))]
+        shown = []
+        for label, count, env, verify in runs:
+            label += " --verify-data" if verify else ""
+            shown.append((label, count))
             seconds, moved, peaks, done = [], [], [], {}
             with nodes(count, root, env) as scratches:
                 for _ in range(args.repeat + 1):
@@ -170,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     with contextlib.ExitStack() as stack:
                         watches = [stack.enter_context(DiskWatch([s])) for s in scratches]
                         started = time.perf_counter()
-                        job = submit_store_consolidation(MODEL, url)
+                        job = submit_store_consolidation(MODEL, url, verify_data=verify)
                         summary = job.wait_for_summary(timeout=3600)
                         took = time.perf_counter() - started
                     output = summary.bytes or 1
@@ -182,11 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             results[label] = (seconds[1:], moved[1:], peaks[1:], done)
             print(f"# {label}: {', '.join(f'{s:.2f}' for s in seconds[1:])} s", flush=True)
 
-        base = statistics.median(results["one node"][0])
+        base = statistics.median(results[shown[0][0]][0])
         print("\n| path | nodes | seconds (median, min–max) | / one node | S3 bytes through "
               "the workers / output byte | peak scratch, busiest node |")
         print("|---|---|---|---|---|---|")
-        for label, count, _ in rows:
+        for label, count in shown:
             secs, moved, peaks, done = results[label]
             med = statistics.median(secs)
             built = done.get("through_workers")
@@ -195,6 +212,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {label} | {count} | {med:.2f} ({min(secs):.2f}–{max(secs):.2f}) | "
                   f"{med / base:.2f}x | {statistics.median(moved):.3f}{note} | "
                   f"{max(peaks) / 2**20:,.1f} MiB |")
+        for label, _ in shown:
+            if label.endswith(" --verify-data"):
+                plain = results[label.removesuffix(" --verify-data")]
+                secs, moved, _, done = results[label]
+                print(f"# {label}: {statistics.median(secs) / statistics.median(plain[0]):.2f}x "
+                      f"the wall time of {label.removesuffix(' --verify-data')}, "
+                      f"{statistics.median(moved) - statistics.median(plain[1]):+.3f} S3 bytes "
+                      f"through the workers per output byte; {done.get('verified_rows', 0):,} "
+                      "rows read back")
+        print(f"# host load after: {os.getloadavg()[0]:.2f}")
     finally:
         proxy.close()
         moto.close()

@@ -27,7 +27,7 @@ from chkq.config.settings import Settings
 
 TASK_MODULES = ("chkq.tasks.consolidate", "chkq.tasks.planning", "chkq.tasks.from_store",
                 "chkq.tasks.commit", "chkq.tasks.follow", "chkq.tasks.store_parts",
-                "chkq.tasks.store_follow")
+                "chkq.tasks.store_follow", "chkq.tasks.store_verify")
 #: The worker runtime, named here and loaded by Celery where it is used: the consumer in
 #: workers, the transport in every process that talks to a Redis broker.
 CONSUMER_CLASS = "chkq.workers.runtime.consumer:GuardedConsumer"

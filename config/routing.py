@@ -29,6 +29,8 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     "chkq.fetch": {"queue": COPY_QUEUE},
     "chkq.part": {"queue": COPY_QUEUE},
     "chkq.assemble": {"queue": CONTROL_QUEUE},
+    "chkq.verify_object": {"queue": VERIFY_QUEUE},
+    "chkq.publish_verified": {"queue": CONTROL_QUEUE},
     "chkq.plan": {"queue": CONTROL_QUEUE},
     "chkq.scan": {"queue": CONTROL_QUEUE},
     "chkq.merge": {"queue": CONTROL_QUEUE},

@@ -107,6 +107,10 @@ class StoreJob:
         The job is spread over every node: its worker fetches only the
         sources' metadata and plans, and the output is assembled in the store
         from parts that any node sends (:mod:`chkq.tasks.store_parts`).
+    verify_data
+        ``--verify-data``: a spread job reads every row of its output back and
+        compares it with its source before publishing (:mod:`chkq.tasks.store_verify`);
+        a job on one node verifies every row anyway.
     """
 
     run: StoreRun
@@ -116,6 +120,7 @@ class StoreJob:
     cleanup: bool
     units: tuple[tuple[int, int], ...] = ()
     spread: bool = False
+    verify_data: bool = False
 
     @property
     def fetch_units(self) -> tuple[tuple[int, int], ...]:
@@ -149,7 +154,7 @@ class StoreJob:
                 "objects": [[o.name, o.key, o.size, o.version, o.mode] for o in run.objects],
                 "destination": list(self.destination), "queue": self.queue,
                 "cleanup": self.cleanup, "units": [list(u) for u in self.fetch_units],
-                "spread": self.spread}
+                "spread": self.spread, "verify_data": self.verify_data}
 
     @classmethod
     def from_record(cls, record: dict[str, Any], job: str) -> StoreJob:
@@ -167,11 +172,11 @@ class StoreJob:
             if units and ([a for a, _ in units] != bounds[:-1] or bounds[-1] != len(objects)
                           or any(a >= b for a, b in units)):
                 raise ValueError(f"fetch units {units} do not cover its {len(objects)} files")
-            spread = record.get("spread", False)
-            if not isinstance(spread, bool):
-                raise ValueError(f"spread is {spread!r}")
+            spread, verify_data = record.get("spread", False), record.get("verify_data", False)
+            if not isinstance(spread, bool) or not isinstance(verify_data, bool):
+                raise ValueError(f"spread is {spread!r}, verify_data {verify_data!r}")
             return cls(run, (store, key), str(record["queue"]), job, bool(record["cleanup"]),
-                       units, spread)
+                       units, spread, verify_data)
         except (KeyError, TypeError, ValueError) as exc:
             raise ForgedRecordError(
                 f"job record {keys.job_record(job, 'store')} is not a store job "
@@ -280,7 +285,8 @@ def fetch_units(objects: tuple[SourceObject, ...], limit: int, files: int
 
 def _stage_message(self: ChkqTask, source: str, model: str, job: str, run: str | None = None,
                    to: str | None = None, cleanup: bool = False,
-                   allow_gaps: bool = False, party: Any = None) -> Checked:
+                   allow_gaps: bool = False, party: Any = None,
+                   verify_data: bool = False) -> Checked:
     """The stage message checked: names, types; nothing is read yet."""
     job = check_job_id(job)
     model = check_model_name(model)
@@ -289,18 +295,22 @@ def _stage_message(self: ChkqTask, source: str, model: str, job: str, run: str |
             raise BadMessageTypeError(f"{name} must be a string, got {value!r}")
     if not isinstance(source, str):
         raise BadMessageTypeError(f"source must be a store URL, got {source!r}")
-    for name, flag in (("cleanup", cleanup), ("allow_gaps", allow_gaps)):
+    for name, flag in (("cleanup", cleanup), ("allow_gaps", allow_gaps),
+                       ("verify_data", verify_data)):
         if not isinstance(flag, bool):
             raise BadMessageTypeError(f"{name} must be true or false, got {flag!r}")
+    kwargs = {} if party is None else {"party": party}
     return Checked(job, (source, model, job, run, to, cleanup, allow_gaps),
-                   {} if party is None else {"party": party}, {"model": model, "source": source})
+                   {**kwargs, "verify_data": True} if verify_data else kwargs,
+                   {"model": model, "source": source})
 
 
 @get_app().task(name="chkq.stage", bind=True, base=ChkqTask)
 @task_lifecycle(_stage_message)
 def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = None,
           to: str | None = None, cleanup: bool = False,
-          allow_gaps: bool = False, party: Any = None) -> dict[str, Any]:
+          allow_gaps: bool = False, party: Any = None,
+          verify_data: bool = False) -> dict[str, Any]:
     """List and pin the run in the store, claim the job for this worker, launch the fetches.
 
     Delivered again after the job was claimed, it launches the same fetches
@@ -310,7 +320,8 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         return {"cancelled": True}
     recorded = store_job(job)
     if recorded is None:
-        admitted = authorize_stage(job, source, model, run, to, cleanup, allow_gaps, party)
+        admitted = authorize_stage(job, source, model, run, to, cleanup, allow_gaps, party,
+                                   verify_data=verify_data)
         check_store_allowed(source)
         found = find_store_run(source, model, run, core=get_settings().core())
         destination = destination_of(found, to)
@@ -323,7 +334,8 @@ def stage(self: ChkqTask, source: str, model: str, job: str, run: str | None = N
         if not spread:
             check_room(found, found.objects, get_settings().scratch_root)
         recorded = StoreJob.from_record(records().record_store_job(job, StoreJob(
-            found, destination, own_queue(self), job, cleanup, spread=spread).to_record()), job)
+            found, destination, own_queue(self), job, cleanup, spread=spread,
+            verify_data=verify_data).to_record()), job)
     if recorded.queue == own_queue(self):
         recorded.run_dir.mkdir(parents=True, exist_ok=True)
     launch_fetches(recorded, job, allow_gaps)
@@ -557,14 +569,18 @@ def sweep_workspaces() -> list[str]:
 
 def stage_signature(source: str, model: str, job: str, *, run: str | None = None,
                     to: str | None = None, cleanup: bool = False,
-                    allow_gaps: bool = False, party: dict[str, Any] | None = None) -> Any:
+                    allow_gaps: bool = False, party: dict[str, Any] | None = None,
+                    verify_data: bool = False) -> Any:
     """The message that starts a store job: ``chkq.stage``, with ``chkq.fail`` as errback.
 
     ``party``: the submitter's credential (:func:`chkq.tasks.parties.stage_credential`).
+    ``verify_data`` is sent only when set, so that a message without it is what it was.
     """
     kwargs: dict[str, Any] = {"run": run, "to": to, "cleanup": cleanup}
     if allow_gaps:
         kwargs["allow_gaps"] = True
+    if verify_data:
+        kwargs["verify_data"] = True
     if party is not None:
         kwargs["party"] = party
     return signature("chkq.stage", args=(source, model, job), kwargs=kwargs,

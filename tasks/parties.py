@@ -59,10 +59,16 @@ def plan_claim(job: str, out_dir: str, model: str, cleanup: bool,
 
 
 def stage_claim(job: str, source: str, model: str, run: str | None, to: str | None,
-                cleanup: bool, allow_gaps: bool) -> dict[str, Any]:
-    """What a ``chkq.stage`` credential allows: one job from one store to one destination."""
-    return {"job": job, "source": source, "model": model, "run": run, "to": to,
-            "cleanup": cleanup, "allow_gaps": allow_gaps}
+                cleanup: bool, allow_gaps: bool, verify_data: bool = False) -> dict[str, Any]:
+    """What a ``chkq.stage`` credential allows: one job from one store to one destination.
+
+    ``verify_data`` is claimed only when asked, so a credential without it
+    (an older client's) still claims what it did; a message that adds or
+    drops the flag then asks for something else than its credential allows.
+    """
+    claim = {"job": job, "source": source, "model": model, "run": run, "to": to,
+             "cleanup": cleanup, "allow_gaps": allow_gaps}
+    return {**claim, "verify_data": True} if verify_data else claim
 
 
 def plan_credential(job: str, out_dir: str, model: str, cleanup: bool,
@@ -72,9 +78,11 @@ def plan_credential(job: str, out_dir: str, model: str, cleanup: bool,
 
 
 def stage_credential(job: str, source: str, model: str, run: str | None, to: str | None,
-                     cleanup: bool, allow_gaps: bool) -> dict[str, Any] | None:
+                     cleanup: bool, allow_gaps: bool,
+                     verify_data: bool = False) -> dict[str, Any] | None:
     """This process's user's credential for a store job, or None without user keys."""
-    return issue_own(STAGE_TASK, stage_claim(job, source, model, run, to, cleanup, allow_gaps))
+    return issue_own(STAGE_TASK, stage_claim(job, source, model, run, to, cleanup, allow_gaps,
+                                             verify_data))
 
 
 def _recorded(job: str) -> Any:
@@ -139,7 +147,8 @@ def authorize_plan(job: str, out_dir: str, model: str, cleanup: bool, allow_gaps
 
 
 def authorize_stage(job: str, source: str, model: str, run: str | None, to: str | None,
-                    cleanup: bool, allow_gaps: bool, credential: Any) -> Admitted | None:
+                    cleanup: bool, allow_gaps: bool, credential: Any, *,
+                    verify_data: bool = False) -> Admitted | None:
     """The submitter of a store job, if its message's credential allows it (None: no keys).
 
     Only the source store's directory is checked here, before it is listed;
@@ -150,7 +159,8 @@ def authorize_stage(job: str, source: str, model: str, run: str | None, to: str 
         return None
     admitted = _admit(job, credential, STAGE_TASK, keys_dir)
     check_claim(admitted.credential["claim"],
-                stage_claim(job, source, model, run, to, cleanup, allow_gaps), STAGE_TASK)
+                stage_claim(job, source, model, run, to, cleanup, allow_gaps, verify_data),
+                STAGE_TASK)
     root = parse_store_url(source).local_root
     if root is not None:
         check_local_store(admitted.party, Path(root), [], write=False, delete=False,
@@ -204,7 +214,7 @@ def authorize_link(job: str, out_dir: str, model: str, cleanup: bool,
     party, claim = verify(keys_dir, credential, STAGE_TASK, max_age=None)
     run = store.run
     asked = stage_claim(job, run.source, run.model, run.run_id, claim.get("to"),
-                        store.cleanup, bool(claim.get("allow_gaps")))
+                        store.cleanup, bool(claim.get("allow_gaps")), store.verify_data)
     check_claim(claim, asked, STAGE_TASK)
     if destination_of(run, claim.get("to")) != store.destination:
         raise NotPermittedError(f"store job {job} publishes to {store.output_url}, which its "

@@ -70,7 +70,7 @@ from chkq.errors import (
 from chkq.jobs import keys
 from chkq.jobs.records import check_target, task_id
 from chkq.rundir import READ
-from chkq.staging import SourceObject, delete_sources
+from chkq.staging import SourceObject
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.objects import ObjectChecksums
 from chkq.stores.shared_upload import PartRecord, SharedUpload, checksums_match
@@ -85,6 +85,12 @@ from chkq.tasks.from_store import (
     store_job,
 )
 from chkq.tasks.state import records
+from chkq.tasks.store_verify import (
+    assembled_key,
+    discard_staged,
+    finish_spread,
+    launch_row_checks,
+)
 
 log = logging.getLogger("chkq.tasks")
 
@@ -186,7 +192,7 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
         skeleton = _skeleton_bytes(plan, [p for p in pieces if p.source == SKELETON])
         check_plan_output(plan)
         store = _destination(found)
-        upload = store.begin_shared_upload(found.destination[1])
+        upload = store.begin_shared_upload(assembled_key(found))
         recorded = records().record_assembly(job, {
             "upload": upload.to_record(), "size": size,
             "parts": [p.to_record() for p in parts],
@@ -199,9 +205,10 @@ def launch_parts(plan: Plan, found: StoreJob) -> None:
              "%d bytes built", job, len(parts), size, sum(p.copied for p in parts), built)
     out_dir, model = plan.out_dir, plan.model
     # Any node assembles: what it needs is in the records, so losing this node from here on
-    # leaves the job to the others.
+    # leaves the job to the others. With --verify-data the job ends with its publish instead.
     assemble_sig = assemble.si(out_dir, model, job).set(
-        task_id=job, link_error=[fail_signature(out_dir, model, job)])
+        task_id=task_id(job, "assemble") if found.verify_data else job,
+        link_error=[fail_signature(out_dir, model, job)])
     sends = [send_part.si(job, index, bytes=part.length, copied=part.copied).set(
         task_id=task_id(job, "part", index)) for index, part in enumerate(parts)]
     chord(group(sends).set(task_id=task_id(job, "parts")), assemble_sig).apply_async()
@@ -341,7 +348,7 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
         abort_assembly(job, found)
         raise Ignore()
     store = _destination(found)
-    key = found.destination[1]
+    key = assembled_key(found)
     expected = store.shared_upload_checksums(records_of)
     completed = store.exists(key) and checksums_match(store.checksums(key), expected)
     # Completed already: this step delivered again after it completed the upload.
@@ -358,24 +365,14 @@ def assemble(self: ChkqTask, out_dir: str, model: str, job: str) -> dict[str, An
     except OutputMismatchError:
         store.delete(key)  # this job's own object, just completed: never left unproven
         raise
-    warnings = []
-    if found.cleanup:
-        planned = {found.name_of(f[0]) for f in plan.files}
-        warnings = delete_sources(dataclasses.replace(found.run, objects=tuple(
-            o for o in found.run.objects if o.name in planned)), core=get_settings().core())
-    result = {"output": found.output_url, "bytes": size, "rows": plan.total_rows,
-              "files": len(plan.files), "datasets": {f"/{d.name}": d.total for d in plan.datasets},
-              "store": True, "spread": True, "parts": len(parts),
-              "copied_bytes": sum(p.length for p in parts if p.copied),
-              "through_workers": sum(p.length for p in parts
-                                     if not p.copied or not store.copies_ranges),
-              "proof": proof, "warnings": warnings}
-    records().record_finished(job, result)
-    records().forget_progress(job)
-    discard_workspace(job)
-    log.info("job=%s assembled %s (%d bytes in %d parts; %s)", job, found.output_url, size,
-             len(parts), proof)
-    return result
+    summary = {"bytes": size, "parts": len(parts),
+               "copied_bytes": sum(p.length for p in parts if p.copied),
+               "through_workers": sum(p.length for p in parts
+                                      if not p.copied or not store.copies_ranges),
+               "proof": proof}
+    if found.verify_data:
+        return launch_row_checks(plan, found, store.version(key), summary)
+    return finish_spread(found, plan, summary)
 
 
 def _described(checksums: ObjectChecksums) -> str:
@@ -448,8 +445,9 @@ def abort_assembly(job: str, found: StoreJob) -> None:
     """Abort a failed or cancelled spread job's upload, if it opened one; never raise.
 
     Its parts are then gone from the store, and a part sent after this fails
-    against the aborted upload.
+    against the aborted upload. A ``--verify-data`` job's staged object goes too.
     """
+    discard_staged(job, found)
     try:
         if records().assembly(job) is None:
             return

@@ -421,7 +421,7 @@ def submit_consolidation(
 
 def submit_store_consolidation(
     model_name: str, source: str, *, run: str | None = None, to: str | None = None,
-    cleanup: bool = False, allow_gaps: bool = False,
+    cleanup: bool = False, allow_gaps: bool = False, verify_data: bool = False,
 ) -> ConsolidationJob:
     """Send the consolidation of a run kept in an object store; return its handle at once.
 
@@ -432,7 +432,9 @@ def submit_store_consolidation(
     default beside the sources: ``MODEL.h5`` under the prefix, or the log's
     ``runs/RUN/outputs/MODEL.h5``), create-if-absent, once verified. A source
     with no checkpoints of the model, or a destination that exists, is
-    refused here, before anything is sent.
+    refused here, before anything is sent. With ``verify_data``, a job spread
+    over the nodes reads every row of its output back and compares it with
+    its source before publishing it (a job on one node does so anyway).
     """
     from chkq.staging import find_store_run
     from chkq.tasks.from_store import check_destination_free, destination_of, stage_signature
@@ -443,10 +445,10 @@ def submit_store_consolidation(
     refuse_if_running(model, source)
     job = uuid.uuid4().hex
     submitted = time.monotonic()
-    party = stage_credential(job, source, model, run, to, cleanup, allow_gaps)
+    party = stage_credential(job, source, model, run, to, cleanup, allow_gaps, verify_data)
     records().record_submitted(job, model, source)
     stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
-                    allow_gaps=allow_gaps, party=party).apply_async()
+                    allow_gaps=allow_gaps, party=party, verify_data=verify_data).apply_async()
     return ConsolidationJob.sent(job, submitted_at=submitted)
 
 
@@ -454,13 +456,13 @@ def run_consolidation(
     model_name: str, out_dir: str | Path | None = None, cleanup: bool = False,
     *, workers: int | None = None, timeout: float | None = None, allow_gaps: bool = False,
     source: str | None = None, run: str | None = None, to: str | None = None,
-    on_progress: Callable[[Progress], None] | None = None,
+    verify_data: bool = False, on_progress: Callable[[Progress], None] | None = None,
     on_notice: Callable[[str], None] | None = None,
     on_submitted: Callable[[ConsolidationJob], None] | None = None,
 ) -> JobSummary:
     """Consolidate and wait, as :func:`consolidate_checkpoints`; return the job's summary.
 
-    With ``source`` (and ``run``, ``to``), the run is in an object store
+    With ``source`` (and ``run``, ``to``, ``verify_data``), the run is in an object store
     (:func:`submit_store_consolidation`) and ``out_dir`` is not used.
     ``on_submitted`` gets the job's handle as soon as it is sent (a command
     line interrupted later can then say what becomes of it), ``on_notice``
@@ -473,7 +475,8 @@ def run_consolidation(
     def submit() -> ConsolidationJob:
         if source is not None:
             return submit_store_consolidation(model_name, source, run=run, to=to,
-                                              cleanup=cleanup, allow_gaps=allow_gaps)
+                                              cleanup=cleanup, allow_gaps=allow_gaps,
+                                              verify_data=verify_data)
         return submit_consolidation(model_name, out_dir, cleanup, allow_gaps=allow_gaps)
 
     if get_settings().broker_url:

@@ -23,9 +23,11 @@ key                                  what
 ``chkq:job:JOB:copied``              hash: copy unit -> its result (digests)
 ``chkq:job:JOB:merge-items``         hash: merge item -> bytes it moved
 ``chkq:job:JOB:merged``              the output's stamp once merged and durable
-``chkq:job:JOB:verified``            hash: verify unit -> output stamp it verified
+``chkq:job:JOB:verified``            hash: verify unit -> output stamp it verified (rows read)
 ``chkq:job:JOB:assembly``            a spread store job's upload, output size and parts
 ``chkq:job:JOB:parts``               hash: part unit -> what the store said of it
+``chkq:job:JOB:staged``              a ``--verify-data`` spread job's object at its staging key
+``chkq:job:JOB:publish``             the upload that copies that object to the output's key
 ``chkq:jobs``                        list: the most recently submitted job ids
 ``chkq:rate:KIND``                   hash: node -> its bytes per second at KIND
 ``chkq:deliveries:TASK:N[:rR]``      how often one task message was delivered
@@ -50,7 +52,7 @@ SEP = ":"
 
 #: Records of one job that describe its progress (dropped when it ends).
 PROGRESS_RECORDS = ("fetched", "run", "scanned", "plan", "copied", "merge-items", "merged",
-                    "verified", "assembly", "parts")
+                    "verified", "assembly", "parts", "staged", "publish")
 #: Records of one job that outlive it (as long as results are kept).
 LIFE_RECORDS = ("info", "done", "cancelled", "failed", "store", "party", "follow")
 RECORDS = LIFE_RECORDS + PROGRESS_RECORDS

@@ -168,6 +168,30 @@ class JobRecords(SealedStore):
         """What each part sent so far is, by unit."""
         return self.hgetall_units(keys.job_record(job, "parts"))
 
+    def record_staged(self, job: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Record the object a spread job with ``--verify-data`` completed at its staging key,
+        unless recorded; return the recorded one (its key, size, version, proof)."""
+        self._set_once(job, "staged", record)
+        recorded = self.staged(job)
+        assert recorded is not None
+        return recorded
+
+    def staged(self, job: str) -> dict[str, Any] | None:
+        """The staged object of ``job`` (:meth:`record_staged`), or None."""
+        return self._dict(job, "staged", "a staged output")
+
+    def record_publish(self, job: str, record: dict[str, Any]) -> dict[str, Any]:
+        """Record the upload that copies a staged output to its key, unless recorded;
+        return the recorded one (its token and copied parts)."""
+        self._set_once(job, "publish", record)
+        recorded = self._dict(job, "publish", "an output's publish")
+        assert recorded is not None
+        return recorded
+
+    def publish_record(self, job: str) -> dict[str, Any] | None:
+        """The upload :meth:`record_publish` recorded for ``job``, or None."""
+        return self._dict(job, "publish", "an output's publish")
+
     def record_scanned(self, job: str, unit: int, record: dict[str, Any]) -> None:
         """Record what scan unit ``unit`` found (``run_scan.scans_to_record``)."""
         self.hset(keys.job_record(job, "scanned"), {str(unit): record})

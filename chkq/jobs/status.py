@@ -116,6 +116,9 @@ class JobStatus:
     spread: bool = False
     """For a job from an object store, whether it is spread over every node (its output
     assembled in the store from parts) rather than done on the worker of :attr:`queue`."""
+    verify_data: bool = False
+    """For a spread job, whether its rows are read back before it publishes (``--verify-data``):
+    its verify units are then the plan's file batches, without the one-node whole-output check."""
 
     @property
     def rows(self) -> tuple[int, int, int]:
@@ -276,8 +279,11 @@ def job_status(records: JobRecords, fetch_metas: MetaReader, job: str) -> JobSta
         raise JobNotFoundError(f"no job {job} in the result backend (never submitted, or expired)")
 
     steps: dict[str, list[UnitState]] = {"plan": [_unit(plan_id, plan_meta)]}
+    spread = bool(stored and stored.get("spread") is True)
     for step, count_key in (("copy", "copy_units"), ("verify", "verify_units")):
         count = int(plan.get(count_key) or 0) if plan else 0
+        if spread and step == "verify":
+            count = max(0, count - 1)
         ids = [task_id(job, step, n) for n in range(count)]
         metas = fetch_metas(ids) if ids else {}
         steps[step] = [_unit(t, metas[t]) for t in ids]
@@ -294,7 +300,8 @@ def job_status(records: JobRecords, fetch_metas: MetaReader, job: str) -> JobSta
                        plan=plan, steps=steps,
                        queue=str(stored.get("queue")) if stored else None)
     status.follow = records.follow_record(job)
-    status.spread = bool(stored and stored.get("spread") is True)
+    status.spread = spread
+    status.verify_data = spread and bool(stored and stored.get("verify_data") is True)
     done = records.finished_result(job)
     link = _unit(job, link_meta)
     causes = [(step, u) for step in ("plan", "copy", "merge", "verify") for u in steps[step]
@@ -336,6 +343,8 @@ def _phase(steps: dict[str, list[UnitState]], link: UnitState) -> Phase:
     """The step a running job is at."""
     if link.state in ("STARTED", "PROGRESS"):
         return Phase.LINKING
+    if any(u.state != "PENDING" for u in steps.get("verify", [])):
+        return Phase.VERIFYING
     if any(u.state != "PENDING" for u in steps.get("part", [])):
         return Phase.COPYING
     for step in ("verify", "merge", "copy"):

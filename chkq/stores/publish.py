@@ -35,6 +35,7 @@ import errno
 import hashlib
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Iterator
@@ -57,7 +58,20 @@ try:
 except ImportError:  # pragma: no cover - installed with google-cloud-storage
     google_crc32c = None  # type: ignore[assignment]
 
-__all__ = ["FileDigests", "Published", "publish_file", "published_as", "sweep_uploads"]
+__all__ = ["FileDigests", "Published", "publish_file", "published_as", "staged_key",
+           "sweep_staged", "sweep_uploads"]
+
+_STAGED = re.compile(r"\.chkq-staged-[0-9a-f]{32}")
+STAGED_LENGTH = len(".chkq-staged-") + 32
+
+
+def staged_key(key: str, job: str) -> str:
+    """Where job ``job`` stages its output for ``key`` until every row is read back
+    (``--verify-data``): beside it, named by the job, never a checkpoint's name."""
+    staged = f"{key}.chkq-staged-{job}"
+    if not _STAGED.fullmatch(staged[len(key):]):
+        raise ValueError(f"{job!r} is not a job id")
+    return staged
 
 log = logging.getLogger(__name__)
 
@@ -516,3 +530,26 @@ def sweep_uploads(store: CheckpointStore, prefix: str = "",
             log.info("store %s: aborted the upload %s of %r started %.0f s ago", store.url,
                      stray.upload_id, stray.key, now - stray.started)
     return aborted
+
+
+def sweep_staged(store: CheckpointStore, prefix: str = "",
+                 older_than: float = 3600.0) -> list[str]:
+    """Delete the staged outputs (:func:`staged_key`) under ``prefix`` written at least
+    ``older_than`` seconds ago; return their keys.
+
+    What a ``--verify-data`` job left when it ended with none of its steps
+    running (cancelled between two, say), or its worker was lost for good.
+    A job still reading its staged output back fails clearly if it is
+    deleted under it (its reads are pinned), and publishes nothing.
+    """
+    if older_than < 0:
+        raise ValueError(f"older_than must be >= 0 seconds, got {older_than}")
+    now = time.time()
+    deleted = []
+    for key in store.list(prefix):
+        staged = len(key) > STAGED_LENGTH and _STAGED.fullmatch(key[-STAGED_LENGTH:])
+        if staged and now - store.modified(key) >= older_than:
+            store.delete(key)
+            deleted.append(key)
+            log.info("store %s: deleted the staged output %r", store.url, key)
+    return deleted

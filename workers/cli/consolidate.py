@@ -71,7 +71,8 @@ def _consolidate(args: argparse.Namespace, line: ProgressLine) -> int:
 
             job = submit_store_consolidation(args.model, args.source, run=args.run,
                                              to=args.to, cleanup=args.cleanup,
-                                             allow_gaps=args.allow_gaps)
+                                             allow_gaps=args.allow_gaps,
+                                             verify_data=args.verify_data)
         else:
             job = submit_consolidation(args.model, args.out_dir, args.cleanup,
                                        allow_gaps=args.allow_gaps)
@@ -84,7 +85,7 @@ def _consolidate(args: argparse.Namespace, line: ProgressLine) -> int:
         summary = run_consolidation(
             args.model, args.out_dir, args.cleanup, workers=args.workers,
             timeout=args.timeout, allow_gaps=args.allow_gaps, source=args.source,
-            run=args.run, to=args.to, on_progress=line,
+            run=args.run, to=args.to, verify_data=args.verify_data, on_progress=line,
             on_notice=line.notice, on_submitted=submitted.append)
     except Interrupted as exc:
         line.close()
@@ -139,7 +140,8 @@ def _follow(args: argparse.Namespace, line: ProgressLine) -> int:
 def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuse option combinations argparse cannot express (exit 2, as usage errors)."""
     if args.source is None:
-        for flag, value in (("--run", args.run), ("--to", args.to)):
+        for flag, value in (("--run", args.run), ("--to", args.to),
+                            ("--verify-data", args.verify_data or None)):
             if value is not None:
                 parser.error(f"consolidate: {flag} needs --from (a run kept in a store)")
     if args.dry_run and args.no_wait:
@@ -185,6 +187,11 @@ def register(sub: Any) -> None:
     p.add_argument("--to", metavar="URL",
                    help="with --from: the object to publish the output at (default: "
                         "MODEL.h5 beside the sources, or the log's runs/RUN/outputs/MODEL.h5)")
+    p.add_argument("--verify-data", action="store_true",
+                   help="with --from: a job spread over the nodes reads every row of its "
+                        "output back from the store and compares it with its source before "
+                        "publishing it (costs a read of the output and of the sources); a job "
+                        "on one node verifies every row anyway, so there it changes nothing")
     p.add_argument("--follow", action="store_true",
                    help="run beside the simulation: after each completed checkpoint, publish "
                    "a new verified version of MODEL.h5 holding every checkpoint so far "

@@ -4,7 +4,9 @@ A consolidation from a store publishes its output as one upload completed
 create-if-absent; a worker killed while uploading leaves the upload's parts
 (an S3 multipart upload, GCS staged parts, a local temporary), invisible at
 the key but billed. Uploads younger than ``--older-than`` may belong to a
-publish still running and are left alone.
+publish still running and are left alone. The staged outputs of
+``--verify-data`` jobs that ended without removing theirs
+(``KEY.chkq-staged-JOB``) as old are deleted too.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import sys
 
 from chkq.stores import open_store
-from chkq.stores.publish import sweep_uploads
+from chkq.stores.publish import sweep_staged, sweep_uploads
 
 #: Default age, in seconds, of the uploads swept: above any publish chkq runs (a task's
 #: hard time limit is minutes).
@@ -25,7 +27,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
     aborted = sweep_uploads(store, args.prefix, older_than=args.older_than)
     for stray in aborted:
         print(f"{stray.key or '(a local temporary)'} {stray.upload_id}")
-    print(f"aborted {len(aborted)} unfinished upload(s) in {store.url}", file=sys.stderr)
+    staged = sweep_staged(store, args.prefix, older_than=args.older_than)
+    for key in staged:
+        print(key)
+    print(f"aborted {len(aborted)} unfinished upload(s) in {store.url}"
+          + (f", deleted {len(staged)} staged output(s)" if staged else ""), file=sys.stderr)
     return 0
 
 

@@ -90,7 +90,9 @@ def format_job(status: JobStatus) -> str:
         lines.append(f"  output {status.output}")
     if status.spread:
         lines.append("  spread over every node: the output is assembled in the store from "
-                     f"{len(status.steps.get('part', []))} parts")
+                     f"{len(status.steps.get('part', []))} parts"
+                     + (", every row read back before it is published (--verify-data)"
+                        if status.verify_data else ""))
     elif status.queue:
         lines.append(f"  on one node: {status.queue.removeprefix('chkq.node.')} fetches, "
                      "consolidates and publishes it")
@@ -118,7 +120,8 @@ def format_job(status: JobStatus) -> str:
                      " (over every dataset)")
     for step in STEPS:
         units = status.steps.get(step, [])
-        if (step == "part") != status.spread and step in ("copy", "part", "merge", "verify"):
+        if ((step == "part") != status.spread and step in ("copy", "part", "merge", "verify")
+                and not (step == "verify" and status.verify_data)):
             continue
         if step in ("copy", "verify", "part"):
             lines.append(f"  {step:<8} {_summary(units)}")
