@@ -48,6 +48,7 @@ from chkq.tasks.canvas import consolidation_signature, root_cause
 from chkq.tasks.parties import plan_credential, stage_credential
 from chkq.tasks.state import job_status, records
 from chkq.workers.claims import refuse_if_running, run_claim
+from chkq.workers.sender import send_plan
 from chkq.workers.waiting import BROKER_ERRORS, EndSignal, QueueWatch
 
 #: How often a waiting client reads the job's state; the job's end wakes it at once
@@ -412,8 +413,10 @@ def submit_consolidation(
     submitted = time.monotonic()
     party = plan_credential(job, str(directory), model, cleanup, allow_gaps)
     records().record_submitted(job, model, str(directory))
-    consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
-                            party=party, through=through).apply_async()
+    if not send_plan(get_app(), str(directory), model, job, cleanup, allow_gaps,
+                     party=party, through=through):
+        consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
+                                party=party, through=through).apply_async()
     handle = ConsolidationJob.sent(job, JobFiles(directory, model, job), submitted)
     handle.client_warnings = tuple(notes)
     return handle

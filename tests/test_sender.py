@@ -1,0 +1,178 @@
+"""The job's first message sent straight to Redis is the one Celery sends, and workers run it.
+
+Celery's message is captured by publishing it through a Celery app to a
+redis-server of the test's own (nothing consumes it there) and reading what
+Celery wrote; the direct sender's entry, built with the values Celery picked at
+random (the delivery tag, the reply queue, the event's time), must be the same
+bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chkq.config.celery_app import close_app, get_app, make_app, use_app
+from chkq.config.settings import Settings
+from chkq.demo import RunShape, make_run
+from chkq.tasks.canvas import consolidation_signature
+from chkq.workers import client, sender
+from chkq.workers.broker import PrivateRedis
+from chkq.workers.client import submit_consolidation
+from support.helpers import assert_consolidated
+from support.plugins.cluster import WorkerProcess
+
+pytestmark = pytest.mark.cluster
+
+TIMEOUT = 120
+QUEUE = "chkq.control"
+EVENTS = "/0.celeryev/task.sent"
+
+PARTY = {"user": "ann", "issued": 1796595762.5,
+         "claim": {"task": "chkq.plan", "dirs": ["/runs/a"], "cleanup": False},
+         "mac": "9f" * 32}
+
+#: Arguments of a job's first message: plain, a path needing quotes, every option set.
+CASES = [
+    ("/runs/plain", "run", {}),
+    ("/runs/it's \"quoted\"\\é ünïcode", "m-1", {"cleanup": True}),
+    ("/runs/a", "run", {"allow_gaps": True, "party": PARTY, "through": 7}),
+]
+
+
+@pytest.fixture
+def private_app() -> Iterator[tuple[Any, Any]]:
+    """A Celery app on a redis-server of this test's own, made this process's app; and a
+    client of that server."""
+    with PrivateRedis() as server:
+        settings = replace(Settings.from_env(), broker_url=server.url,
+                           result_backend=server.url)
+        app = make_app(settings)
+        previous = use_app(app)
+        try:
+            yield app, server.client()
+        finally:
+            use_app(previous)
+            close_app(app)
+
+
+def _celery_sends(app: Any, redis: Any, out_dir: str, model: str, job: str,
+                  options: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """What Celery writes for the job's first message: the list entry, the sent event."""
+    events = redis.pubsub(ignore_subscribe_messages=True)
+    events.subscribe(EVENTS)
+    events.get_message(timeout=1.0)
+    consolidation_signature(out_dir, model, job, options.get("cleanup", False),
+                            options.get("allow_gaps", False), party=options.get("party"),
+                            through=options.get("through")).apply_async()
+    entry = redis.rpop(QUEUE).decode()
+    deadline = time.monotonic() + 5
+    event = None
+    while event is None and time.monotonic() < deadline:
+        event = events.get_message(timeout=1.0)
+    events.close()
+    assert event is not None, "Celery published no task-sent event"
+    state = {"binding": redis.smembers(f"_kombu.binding.{QUEUE}"),
+             "permanent": redis.smembers(f"_kombu.binding_permanent.{QUEUE}"),
+             "ring": redis.lrange(f"chkq:ring:{QUEUE}", 0, -1),
+             "ring expires": 0 < redis.ttl(f"chkq:ring:{QUEUE}") <= sender.RING_SECONDS}
+    return entry, event["data"].decode(), state
+
+
+def _body(raw: str) -> Any:
+    import base64
+
+    return json.loads(base64.b64decode(json.loads(raw)["body"]))
+
+
+@pytest.mark.parametrize(("out_dir", "model", "options"), CASES)
+def test_the_direct_message_is_celerys_byte_for_byte(
+        private_app: tuple[Any, Any], out_dir: str, model: str,
+        options: dict[str, Any]) -> None:
+    """Entry on the queue's list, sent event, binding and ring: what Celery writes."""
+    app, redis = private_app
+    job = os.urandom(16).hex()
+    entry, event, state = _celery_sends(app, redis, out_dir, model, job, options)
+    celery = json.loads(entry)
+    kwargs = sender.plan_kwargs(options.get("cleanup", False), options.get("allow_gaps", False),
+                                options.get("party"), options.get("through"))
+    built = sender.plan_message(out_dir, model, job, kwargs, sender=celery["headers"]["origin"],
+                                reply_to=celery["properties"]["reply_to"],
+                                delivery_tag=celery["properties"]["delivery_tag"])
+    assert built is not None
+    assert built[0] == entry
+    celery_event, shown = json.loads(event), _body(event)
+    assert sender.sent_event(built[1], sender=shown["hostname"], clock=shown["clock"],
+                             timestamp=shown["timestamp"],
+                             delivery_tag=celery_event["properties"]["delivery_tag"]) == event
+
+    redis.flushdb()
+    assert sender.send_plan(app, out_dir, model, job, **{"cleanup": False, **options})
+    direct = json.loads(redis.rpop(QUEUE).decode())
+    assert redis.llen(QUEUE) == 0
+    assert sender.origin() == celery["headers"]["origin"]
+    for message in (direct, celery):
+        message["properties"]["delivery_tag"] = message["properties"]["reply_to"] = "-"
+    assert direct == celery
+    assert {"binding": redis.smembers(f"_kombu.binding.{QUEUE}"),
+            "permanent": redis.smembers(f"_kombu.binding_permanent.{QUEUE}"),
+            "ring": redis.lrange(f"chkq:ring:{QUEUE}", 0, -1),
+            "ring expires": 0 < redis.ttl(f"chkq:ring:{QUEUE}") <= sender.RING_SECONDS
+            } == state
+
+
+def test_signed_or_unusual_messages_go_through_celery(private_app: tuple[Any, Any]) -> None:
+    """Anything the direct message does not reproduce is left to Celery: nothing sent."""
+    app, redis = private_app
+    assert sender.direct_broker(app) is not None
+    app.conf.task_serializer = "auth"
+    assert sender.direct_broker(app) is None
+    assert not sender.send_plan(app, "/runs/a", "run", "a" * 32, False)
+    app.conf.task_serializer = "json"
+    app.conf.task_default_priority = 5
+    assert sender.direct_broker(app) is None
+    app.conf.task_default_priority = None
+    assert sender.plan_message("/runs/" + "x" * 2000, "run", "a" * 32, {"cleanup": False},
+                               sender="s", reply_to="r", delivery_tag="t") is None
+    assert sender.plan_message("/runs/a", "run", "a" * 32, {"cleanup": False, "at": object()},
+                               sender="s", reply_to="r", delivery_tag="t") is None
+    assert redis.llen(QUEUE) == 0
+
+
+@pytest.fixture
+def direct_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submissions must take the direct path: sending through Celery fails the test."""
+    def through_celery(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the job was sent through Celery, not directly")
+
+    monkeypatch.setattr(client, "consolidation_signature", through_celery)
+
+
+def test_a_worker_runs_a_job_sent_directly(worker: WorkerProcess, tmp_path: Path,
+                                          direct_only: None) -> None:
+    """The output of a directly sent job holds every checkpoint's rows."""
+    files = make_run(tmp_path, "run", RunShape(checkpoints=3, writers=2, trials=20))
+    assert sender.direct_broker(get_app()) is not None
+    job = submit_consolidation("run", tmp_path)
+    output = job.wait_for_output(timeout=TIMEOUT)
+    assert_consolidated(output, files)
+
+
+def test_a_bad_run_sent_directly_fails_through_its_errback(
+        worker: WorkerProcess, tmp_path: Path, direct_only: None) -> None:
+    """A checkpoint that is not HDF5: the plan fails, ``chkq.fail`` ends the job, the client
+    hears the cause; no output, no temporaries."""
+    make_run(tmp_path, "run", RunShape(checkpoints=2, writers=2, trials=10))
+    (tmp_path / "run_chk00002" / "thread_0001.h5").write_bytes(b"not hdf5 at all" * 100)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    job = submit_consolidation("run", tmp_path)
+    with pytest.raises(ValueError, match=r"thread_0001.h5.*not HDF5"):
+        job.wait_for_output(timeout=TIMEOUT)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
