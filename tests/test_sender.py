@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from chkq.config.celery_app import close_app, get_app, make_app, use_app
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.tasks.canvas import consolidation_signature
+from chkq.tasks.from_store import stage_signature
 from chkq.workers import client, sender
 from chkq.workers.broker import PrivateRedis
 from chkq.workers.client import submit_consolidation
@@ -39,11 +40,46 @@ PARTY = {"user": "ann", "issued": 1796595762.5,
          "claim": {"task": "chkq.plan", "dirs": ["/runs/a"], "cleanup": False},
          "mac": "9f" * 32}
 
-#: Arguments of a job's first message: plain, a path needing quotes, every option set.
-CASES = [
-    ("/runs/plain", "run", {}),
-    ("/runs/it's \"quoted\"\\é ünïcode", "m-1", {"cleanup": True}),
-    ("/runs/a", "run", {"allow_gaps": True, "party": PARTY, "through": 7}),
+
+
+def _plan(out_dir: str, model: str, job: str, cleanup: bool = False, allow_gaps: bool = False,
+          party: dict[str, Any] | None = None, through: int | None = None) -> Case:
+    args = [out_dir, model, job]
+    return Case(consolidation_signature(out_dir, model, job, cleanup, allow_gaps, party=party,
+                                        through=through),
+                sender.PLAN_TASK, args, sender.plan_kwargs(cleanup, allow_gaps, party, through),
+                args)
+
+
+def _stage(source: str, model: str, job: str, run: str | None = None, to: str | None = None,
+           cleanup: bool = False, allow_gaps: bool = False,
+           party: dict[str, Any] | None = None) -> Case:
+    return Case(stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
+                                allow_gaps=allow_gaps, party=party),
+                sender.STAGE_TASK, [source, model, job],
+                sender.stage_kwargs(run, to, cleanup, allow_gaps, party), ["", model, job])
+
+
+@dataclass
+class Case:
+    """One job's first message: Celery's signature of it, and the direct sender's arguments."""
+
+    signature: Any
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    fail_args: list[Any]
+
+
+#: A job's first message: plain, a path needing quotes, every option set; for a run
+#: directory and for a run in a store.
+CASES: list[Callable[[str], Case]] = [
+    lambda job: _plan("/runs/plain", "run", job),
+    lambda job: _plan("/runs/it's \"quoted\"\\é ünïcode", "m-1", job, cleanup=True),
+    lambda job: _plan("/runs/a", "run", job, allow_gaps=True, party=PARTY, through=7),
+    lambda job: _stage("s3://bucket/runs/", "run", job),
+    lambda job: _stage("gs://b/p/", "run", job, run="r1", to="gs://b/out.h5", cleanup=True,
+                       allow_gaps=True, party=PARTY),
 ]
 
 
@@ -63,15 +99,13 @@ def private_app() -> Iterator[tuple[Any, Any]]:
             close_app(app)
 
 
-def _celery_sends(app: Any, redis: Any, out_dir: str, model: str, job: str,
-                  options: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
-    """What Celery writes for the job's first message: the list entry, the sent event."""
+def _celery_sends(redis: Any, case: Case) -> tuple[str, str, dict[str, Any]]:
+    """What Celery writes for the job's first message: the list entry, the sent event and
+    the queue's other keys."""
     events = redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(EVENTS)
     events.get_message(timeout=1.0)
-    consolidation_signature(out_dir, model, job, options.get("cleanup", False),
-                            options.get("allow_gaps", False), party=options.get("party"),
-                            through=options.get("through")).apply_async()
+    case.signature.apply_async()
     entry = redis.rpop(QUEUE).decode()
     deadline = time.monotonic() + 5
     event = None
@@ -79,11 +113,16 @@ def _celery_sends(app: Any, redis: Any, out_dir: str, model: str, job: str,
         event = events.get_message(timeout=1.0)
     events.close()
     assert event is not None, "Celery published no task-sent event"
-    state = {"binding": redis.smembers(f"_kombu.binding.{QUEUE}"),
-             "permanent": redis.smembers(f"_kombu.binding_permanent.{QUEUE}"),
-             "ring": redis.lrange(f"chkq:ring:{QUEUE}", 0, -1),
-             "ring expires": 0 < redis.ttl(f"chkq:ring:{QUEUE}") <= sender.RING_SECONDS}
-    return entry, event["data"].decode(), state
+    return entry, event["data"].decode(), _queue_keys(redis)
+
+
+def _queue_keys(redis: Any) -> dict[str, Any]:
+    """Everything but the message that a send leaves in Redis for the queue."""
+    return {"keys": sorted(redis.keys("*")),
+            "binding": redis.smembers(f"_kombu.binding.{QUEUE}"),
+            "permanent": redis.smembers(f"_kombu.binding_permanent.{QUEUE}"),
+            "ring": redis.lrange(f"chkq:ring:{QUEUE}", 0, -1),
+            "ring expires": 0 < redis.ttl(f"chkq:ring:{QUEUE}") <= sender.RING_SECONDS}
 
 
 def _body(raw: str) -> Any:
@@ -92,20 +131,20 @@ def _body(raw: str) -> Any:
     return json.loads(base64.b64decode(json.loads(raw)["body"]))
 
 
-@pytest.mark.parametrize(("out_dir", "model", "options"), CASES)
+@pytest.mark.parametrize("make", CASES)
 def test_the_direct_message_is_celerys_byte_for_byte(
-        private_app: tuple[Any, Any], out_dir: str, model: str,
-        options: dict[str, Any]) -> None:
+        private_app: tuple[Any, Any], make: Callable[[str], Case]) -> None:
     """Entry on the queue's list, sent event, binding and ring: what Celery writes."""
     app, redis = private_app
     job = os.urandom(16).hex()
-    entry, event, state = _celery_sends(app, redis, out_dir, model, job, options)
+    case = make(job)
+    entry, event, state = _celery_sends(redis, case)
     celery = json.loads(entry)
-    kwargs = sender.plan_kwargs(options.get("cleanup", False), options.get("allow_gaps", False),
-                                options.get("party"), options.get("through"))
-    built = sender.plan_message(out_dir, model, job, kwargs, sender=celery["headers"]["origin"],
-                                reply_to=celery["properties"]["reply_to"],
-                                delivery_tag=celery["properties"]["delivery_tag"])
+    built = sender.job_message(case.task, job, case.args, case.kwargs, case.fail_args,
+                               sender=celery["headers"]["origin"],
+                               reply_to=celery["properties"]["reply_to"],
+                               delivery_tag=celery["properties"]["delivery_tag"],
+                               ignored=sender.ignore_result(app, case.task))
     assert built is not None
     assert built[0] == entry
     celery_event, shown = json.loads(event), _body(event)
@@ -114,18 +153,13 @@ def test_the_direct_message_is_celerys_byte_for_byte(
                              delivery_tag=celery_event["properties"]["delivery_tag"]) == event
 
     redis.flushdb()
-    assert sender.send_plan(app, out_dir, model, job, **{"cleanup": False, **options})
+    assert sender.send_job(app, case.task, job, case.args, case.kwargs, case.fail_args)
     direct = json.loads(redis.rpop(QUEUE).decode())
-    assert redis.llen(QUEUE) == 0
     assert sender.origin() == celery["headers"]["origin"]
     for message in (direct, celery):
         message["properties"]["delivery_tag"] = message["properties"]["reply_to"] = "-"
     assert direct == celery
-    assert {"binding": redis.smembers(f"_kombu.binding.{QUEUE}"),
-            "permanent": redis.smembers(f"_kombu.binding_permanent.{QUEUE}"),
-            "ring": redis.lrange(f"chkq:ring:{QUEUE}", 0, -1),
-            "ring expires": 0 < redis.ttl(f"chkq:ring:{QUEUE}") <= sender.RING_SECONDS
-            } == state
+    assert _queue_keys(redis) == state
 
 
 def test_signed_or_unusual_messages_go_through_celery(private_app: tuple[Any, Any]) -> None:
@@ -134,15 +168,16 @@ def test_signed_or_unusual_messages_go_through_celery(private_app: tuple[Any, An
     assert sender.direct_broker(app) is not None
     app.conf.task_serializer = "auth"
     assert sender.direct_broker(app) is None
-    assert not sender.send_plan(app, "/runs/a", "run", "a" * 32, False)
+    assert not sender.send_job(app, sender.PLAN_TASK, "a" * 32, ["/runs/a", "run", "a" * 32],
+                               {"cleanup": False}, ["/runs/a", "run", "a" * 32])
     app.conf.task_serializer = "json"
     app.conf.task_default_priority = 5
     assert sender.direct_broker(app) is None
     app.conf.task_default_priority = None
-    assert sender.plan_message("/runs/" + "x" * 2000, "run", "a" * 32, {"cleanup": False},
-                               sender="s", reply_to="r", delivery_tag="t") is None
-    assert sender.plan_message("/runs/a", "run", "a" * 32, {"cleanup": False, "at": object()},
-                               sender="s", reply_to="r", delivery_tag="t") is None
+    for args, kwargs in (([f"/runs/{'x' * 2000}", "run"], {"cleanup": False}),
+                         (["/runs/a", "run"], {"cleanup": False, "at": object()})):
+        assert sender.job_message(sender.PLAN_TASK, "a" * 32, args, kwargs, args, sender="s",
+                                  reply_to="r", delivery_tag="t") is None
     assert redis.llen(QUEUE) == 0
 
 

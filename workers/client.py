@@ -48,7 +48,7 @@ from chkq.tasks.canvas import consolidation_signature, root_cause
 from chkq.tasks.parties import plan_credential, stage_credential
 from chkq.tasks.state import job_status, records
 from chkq.workers.claims import refuse_if_running, run_claim
-from chkq.workers.sender import send_plan
+from chkq.workers.sender import PLAN_TASK, STAGE_TASK, plan_kwargs, send_job, stage_kwargs
 from chkq.workers.waiting import BROKER_ERRORS, EndSignal, QueueWatch
 
 #: How often a waiting client reads the job's state; the job's end wakes it at once
@@ -413,8 +413,9 @@ def submit_consolidation(
     submitted = time.monotonic()
     party = plan_credential(job, str(directory), model, cleanup, allow_gaps)
     records().record_submitted(job, model, str(directory))
-    if not send_plan(get_app(), str(directory), model, job, cleanup, allow_gaps,
-                     party=party, through=through):
+    args = [str(directory), model, job]
+    if not send_job(get_app(), PLAN_TASK, job, args,
+                    plan_kwargs(cleanup, allow_gaps, party, through), args):
         consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
                                 party=party, through=through).apply_async()
     handle = ConsolidationJob.sent(job, JobFiles(directory, model, job), submitted)
@@ -448,8 +449,10 @@ def submit_store_consolidation(
     submitted = time.monotonic()
     party = stage_credential(job, source, model, run, to, cleanup, allow_gaps)
     records().record_submitted(job, model, source)
-    stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
-                    allow_gaps=allow_gaps, party=party).apply_async()
+    if not send_job(get_app(), STAGE_TASK, job, [source, model, job],
+                    stage_kwargs(run, to, cleanup, allow_gaps, party), ["", model, job]):
+        stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
+                        allow_gaps=allow_gaps, party=party).apply_async()
     return ConsolidationJob.sent(job, submitted_at=submitted)
 
 

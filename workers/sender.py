@@ -1,9 +1,11 @@
 """A job's first message, sent straight to Redis as Celery would send it, without Celery.
 
-A client sends one message per job (``chkq.plan`` with ``chkq.fail`` as its
-errback); building Celery's app, canvas and kombu producer for it costs more
-than the rest of the submission. For a Redis broker this module writes what
-Celery's ``apply_async`` writes through chkq's transport
+A client sends one message per job (``chkq.plan``, or ``chkq.stage`` for a run
+in an object store, with ``chkq.fail`` as its errback); sending it through
+Celery's canvas and kombu's producer loads and sets up far more than the
+message needs (docs/performance.md has the figures), and a client that
+sends without them need not load Celery at all. For a Redis broker this
+module writes what Celery's ``apply_async`` writes through chkq's transport
 (:mod:`chkq.workers.runtime.broker_transport`), in one transaction:
 
 - the task message (protocol 2: headers, properties, and the body
@@ -29,6 +31,7 @@ import base64
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 from typing import Any
@@ -39,7 +42,9 @@ from chkq.config.settings import REDIS_SCHEMES
 from chkq.jobs import keys
 from chkq.jobs.records import task_id as step_id
 
-PLAN_TASK, FAIL_TASK = "chkq.plan", "chkq.fail"
+PLAN_TASK, STAGE_TASK, FAIL_TASK = "chkq.plan", "chkq.stage", "chkq.fail"
+#: The tasks that start a job, whose message this module sends, and the modules defining them.
+FIRST_TASKS = {PLAN_TASK: "chkq.tasks.planning", STAGE_TASK: "chkq.tasks.from_store"}
 #: The chkq transport's ring of a queue (:func:`chkq.workers.runtime.broker_transport._push_token`).
 RING_TOKENS, RING_SECONDS = 1000, 3600
 #: kombu's separator in Redis key names (``_kombu.binding.*`` members, priority lists).
@@ -71,15 +76,16 @@ def direct_broker(app: Any) -> str | None:
 
     ``app`` is the Celery app that would otherwise send it (whose settings
     the message must match); None whenever anything differs from what
-    :func:`plan_message` reproduces: then Celery sends it.
+    :func:`job_message` reproduces: then Celery sends it.
     """
     conf = app.conf
     url = conf.broker_url
     if not isinstance(url, str) or url.partition("://")[0] not in REDIS_SCHEMES:
         return None
-    if conf.broker_transport != EXPECTED_TRANSPORT or conf.task_routes.get(PLAN_TASK) != \
-            TASK_ROUTES[PLAN_TASK] or conf.broker_transport_options.get("global_keyprefix") \
-            or conf.broker_transport_options.get("sep") or conf.broker_use_ssl:
+    if conf.broker_transport != EXPECTED_TRANSPORT or conf.broker_use_ssl \
+            or conf.broker_transport_options.get("global_keyprefix") \
+            or conf.broker_transport_options.get("sep") \
+            or any(conf.task_routes.get(task) != TASK_ROUTES[task] for task in FIRST_TASKS):
         return None
     if any(conf.get(name) != value for name, value in EXPECTED_CONF.items()):
         return None
@@ -165,37 +171,61 @@ def plan_kwargs(cleanup: bool, allow_gaps: bool, party: dict[str, Any] | None,
     return kwargs
 
 
+def stage_kwargs(run: str | None, to: str | None, cleanup: bool, allow_gaps: bool,
+                 party: dict[str, Any] | None) -> dict[str, Any]:
+    """``chkq.stage``'s keyword arguments, as :func:`chkq.tasks.from_store.stage_signature`
+    gives them."""
+    kwargs: dict[str, Any] = {"run": run, "to": to, "cleanup": cleanup}
+    if allow_gaps:
+        kwargs["allow_gaps"] = True
+    if party is not None:
+        kwargs["party"] = party
+    return kwargs
+
+
 def origin() -> str:
     """This process's Celery node name as a sender (``genPID@HOST``)."""
     return f"gen{os.getpid()}@{socket.gethostname()}"
 
 
-def plan_message(out_dir: str, model: str, job: str, kwargs: dict[str, Any], *,
-                 sender: str, reply_to: str, delivery_tag: str
-                 ) -> tuple[str, dict[str, Any]] | None:
-    """The Redis list entry of job ``job``'s ``chkq.plan`` message, and its sent event's fields.
+def ignore_result(app: Any, task: str) -> bool | None:
+    """The message's ``ignore_result`` header, as Celery gives it: the task's own setting
+    when this process has loaded the task (its module), None when it sends it by name."""
+    if FIRST_TASKS[task] not in sys.modules:
+        return None
+    registered = app.tasks.get(task)
+    return None if registered is None else bool(registered.ignore_result)
+
+
+def job_message(task: str, job: str, args: list[Any], kwargs: dict[str, Any],
+                fail_args: list[Any], *, sender: str, reply_to: str, delivery_tag: str,
+                ignored: bool | None = None) -> tuple[str, dict[str, Any]] | None:
+    """The Redis list entry of job ``job``'s first message, and its sent event's fields.
+
+    ``task`` (one of :data:`FIRST_TASKS`) with ``args`` and ``kwargs``, and
+    ``chkq.fail`` with ``fail_args`` as its errback.
 
     None if Celery's representation of the arguments could differ (a type
     :func:`safe_repr` does not know, or one near Celery's length limit).
     ``sender``, ``reply_to`` and ``delivery_tag`` are the per-message values
-    Celery picks (its node name, its app's reply queue, a random tag).
+    Celery picks (its node name, its app's reply queue, a random tag);
+    ``ignored`` the ``ignore_result`` header (:func:`ignore_result`).
     """
-    args = [out_dir, model, job]
     argsrepr, kwargsrepr = safe_repr(tuple(args)), safe_repr(kwargs)
     if argsrepr is None or kwargsrepr is None or max(len(argsrepr), len(kwargsrepr)) > REPR_SAFE:
         return None
-    queue = TASK_ROUTES[PLAN_TASK]["queue"]
-    task_id = step_id(job, "plan")
-    errback = {"task": FAIL_TASK, "args": args, "kwargs": {}, "options": {},
+    queue = TASK_ROUTES[task]["queue"]
+    task_id = step_id(job, task.removeprefix("chkq."))
+    errback: dict[str, Any] = {"task": FAIL_TASK, "args": fail_args, "kwargs": {}, "options": {},
                "subtask_type": None, "immutable": False}
     body = [args, kwargs, {"callbacks": None, "errbacks": [errback], "chain": None,
                            "chord": None}]
-    headers = {
-        "lang": "py", "task": PLAN_TASK, "id": task_id, "shadow": None, "eta": None,
+    headers: dict[str, Any] = {
+        "lang": "py", "task": task, "id": task_id, "shadow": None, "eta": None,
         "expires": None, "group": None, "group_index": None, "retries": 0,
         "timelimit": [None, None], "root_id": task_id, "parent_id": None,
         "argsrepr": argsrepr, "kwargsrepr": kwargsrepr, "origin": sender,
-        "ignore_result": None, "replaced_task_nesting": 0, "stamped_headers": None,
+        "ignore_result": ignored, "replaced_task_nesting": 0, "stamped_headers": None,
         "stamps": {},
     }
     message = {
@@ -209,7 +239,7 @@ def plan_message(out_dir: str, model: str, job: str, kwargs: dict[str, Any], *,
             "body_encoding": "base64", "delivery_tag": delivery_tag,
         },
     }
-    event = {"uuid": task_id, "root_id": task_id, "parent_id": None, "name": PLAN_TASK,
+    event = {"uuid": task_id, "root_id": task_id, "parent_id": None, "name": task,
              "args": argsrepr, "kwargs": kwargsrepr, "retries": 0, "eta": None,
              "expires": None, "queue": queue, "exchange": "", "routing_key": queue}
     return _dumps(message), event
@@ -235,11 +265,10 @@ def sent_event(fields: dict[str, Any], *, sender: str, clock: int, timestamp: fl
     })
 
 
-def send_plan(app: Any, out_dir: str, model: str, job: str, cleanup: bool,
-              allow_gaps: bool = False, party: dict[str, Any] | None = None,
-              through: int | None = None) -> bool:
-    """Send job ``job``'s first message directly to Redis; False (nothing sent) when
-    :func:`direct_broker` or :func:`plan_message` leave it to Celery.
+def send_job(app: Any, task: str, job: str, args: list[Any], kwargs: dict[str, Any],
+             fail_args: list[Any]) -> bool:
+    """Send job ``job``'s first message (:func:`job_message`) directly to Redis; False
+    (nothing sent) when :func:`direct_broker` or :func:`job_message` leave it to Celery.
 
     The message, the queue's binding, the ring's token and the sent event go
     in one transaction: the job is sent whole or not at all.
@@ -248,9 +277,9 @@ def send_plan(app: Any, out_dir: str, model: str, job: str, cleanup: bool,
     if url is None:
         return False
     sender = origin()
-    built = plan_message(out_dir, model, job, plan_kwargs(cleanup, allow_gaps, party, through),
-                         sender=sender, reply_to=str(uuid.uuid4()),
-                         delivery_tag=str(uuid.uuid4()))
+    built = job_message(task, job, args, kwargs, fail_args, sender=sender,
+                        reply_to=str(uuid.uuid4()), delivery_tag=str(uuid.uuid4()),
+                        ignored=ignore_result(app, task))
     if built is None:
         return False
     entry, fields = built
