@@ -83,11 +83,11 @@ CASES: list[Callable[[str], Case]] = [
 ]
 
 
-@pytest.fixture
-def private_app() -> Iterator[tuple[Any, Any]]:
-    """A Celery app on a redis-server of this test's own, made this process's app; and a
-    client of that server."""
-    with PrivateRedis() as server:
+@pytest.fixture(params=["tcp", "unix"])
+def private_app(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
+    """A Celery app on a redis-server of this test's own (over TCP, or a Unix socket as
+    the embedded cluster's), made this process's app; and a client of that server."""
+    with PrivateRedis(unix_socket=request.param == "unix") as server:
         settings = replace(Settings.from_env(), broker_url=server.url,
                            result_backend=server.url)
         app = make_app(settings)
@@ -174,6 +174,11 @@ def test_signed_or_unusual_messages_go_through_celery(private_app: tuple[Any, An
     app.conf.task_default_priority = 5
     assert sender.direct_broker(app) is None
     app.conf.task_default_priority = None
+    app.conf.broker_transport_options = {"global_keyprefix": "x:"}
+    assert sender.direct_broker(app) is None
+    for url in ("amqp://guest@localhost//", "rediss://localhost:6380/0?ssl_cert_reqs=required"):
+        app.conf.broker_url = url
+        assert sender.direct_broker(app) is None
     for args, kwargs in (([f"/runs/{'x' * 2000}", "run"], {"cleanup": False}),
                          (["/runs/a", "run"], {"cleanup": False, "at": object()})):
         assert sender.job_message(sender.PLAN_TASK, "a" * 32, args, kwargs, args, sender="s",

@@ -14,7 +14,9 @@ module writes what Celery's ``apply_async`` writes through chkq's transport
   keeps in the list named as the queue;
 - the queue's binding (``_kombu.binding.QUEUE``), as Celery's first publish
   to a queue declares it;
-- a token on the queue's ring, which wakes an idle worker;
+- a token on the queue's ring, which wakes an idle worker (not for a
+  ``redis+socket://`` URL: kombu takes the scheme's prefix as the transport,
+  its own Redis transport then, which neither writes nor reads rings);
 - the ``task-sent`` event (``task_send_sent_event``), published on the
   ``celeryev`` fanout channel.
 
@@ -38,7 +40,6 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from chkq.config.routing import TASK_ROUTES
-from chkq.config.settings import REDIS_SCHEMES
 from chkq.jobs import keys
 from chkq.jobs.records import task_id as step_id
 
@@ -69,6 +70,15 @@ EXPECTED_CONF = {
     "task_inherit_parent_priority": False,
 }
 EXPECTED_TRANSPORT = "chkq.workers.runtime.broker_transport:Transport"
+#: Broker URLs sent to directly: TCP, and kombu's Unix socket (the embedded cluster's). TLS
+#: (``rediss://``, whose certificate options kombu and redis-py spell differently) and
+#: redis-py's ``unix://`` go through Celery.
+DIRECT_SCHEMES = ("redis", "redis+socket")
+#: Transport options that leave the message and its keys as kombu's defaults write them
+#: (:meth:`chkq.config.settings.Settings.broker_transport_options`); any other (a key
+#: prefix, a separator, priority steps, fanout settings) goes through Celery.
+NEUTRAL_TRANSPORT_OPTIONS = frozenset({"visibility_timeout", "unacked_restore_interval",
+                                       "unacked_restore_throttle", "unacked_mutex_expire"})
 
 
 def direct_broker(app: Any) -> str | None:
@@ -80,12 +90,13 @@ def direct_broker(app: Any) -> str | None:
     """
     conf = app.conf
     url = conf.broker_url
-    if not isinstance(url, str) or url.partition("://")[0] not in REDIS_SCHEMES:
+    if not isinstance(url, str) or url.partition("://")[0] not in DIRECT_SCHEMES:
         return None
+    routes = conf.task_routes
     if conf.broker_transport != EXPECTED_TRANSPORT or conf.broker_use_ssl \
-            or conf.broker_transport_options.get("global_keyprefix") \
-            or conf.broker_transport_options.get("sep") \
-            or any(conf.task_routes.get(task) != TASK_ROUTES[task] for task in FIRST_TASKS):
+            or not set(conf.broker_transport_options or {}) <= NEUTRAL_TRANSPORT_OPTIONS \
+            or not isinstance(routes, dict) \
+            or any(routes.get(task) != TASK_ROUTES[task] for task in FIRST_TASKS):
         return None
     if any(conf.get(name) != value for name, value in EXPECTED_CONF.items()):
         return None
@@ -93,17 +104,16 @@ def direct_broker(app: Any) -> str | None:
 
 
 def redis_client(url: str) -> Any:
-    """A redis-py client of the broker at ``url`` (``redis://``, ``rediss://``, ``unix://``,
-    or kombu's ``redis+socket://:PASSWORD@/PATH?virtual_host=DB``)."""
+    """A redis-py client of the broker at ``url`` (``redis://``, or kombu's
+    ``redis+socket://:PASSWORD@/PATH?virtual_host=DB``)."""
     import redis
 
     if url.startswith("redis+socket://"):
         parts = urlsplit(url)
-        query = parse_qs(parts.query)
-        db = int((query.get("virtual_host") or query.get("db") or ["0"])[0] or 0)
         return redis.Redis(unix_socket_path=unquote(parts.path),
                            password=unquote(parts.password) if parts.password else None,
-                           username=unquote(parts.username) if parts.username else None, db=db)
+                           username=unquote(parts.username) if parts.username else None,
+                           db=_db_of(url))
     return redis.Redis.from_url(url)
 
 
@@ -112,7 +122,7 @@ def _db_of(url: str) -> int:
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     named = (query.get("virtual_host") or query.get("db") or [""])[0]
-    if not named and parts.scheme in ("redis", "rediss"):
+    if not named and parts.scheme == "redis":
         named = parts.path.strip("/")
     return int(named or 0)
 
@@ -287,16 +297,17 @@ def send_job(app: Any, task: str, job: str, args: list[Any], kwargs: dict[str, A
     event = sent_event(fields, sender=sender, clock=1, timestamp=time.time(),
                        delivery_tag=str(uuid.uuid4()))
     binding = KOMBU_SEP.join((queue, "", queue))
-    ring = keys.ring(queue)
+    ring = keys.ring(queue) if "+" not in url.partition("://")[0] else None
     client = redis_client(url)
     try:
         pipe = client.pipeline(transaction=True)
         pipe.sadd(f"_kombu.binding.{queue}", binding)
         pipe.sadd(f"_kombu.binding_permanent.{queue}", binding)
         pipe.lpush(queue, entry)
-        pipe.lpush(ring, "1")
-        pipe.ltrim(ring, 0, RING_TOKENS - 1)
-        pipe.expire(ring, RING_SECONDS)
+        if ring is not None:
+            pipe.lpush(ring, "1")
+            pipe.ltrim(ring, 0, RING_TOKENS - 1)
+            pipe.expire(ring, RING_SECONDS)
         pipe.publish(f"/{_db_of(url)}.celeryev/task.sent", event)
         pipe.execute()
     finally:
