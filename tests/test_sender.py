@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from chkq.config.celery_app import close_app, get_app, make_app, use_app
+from chkq.config.celery_app import close_app, get_app, get_settings, make_app, use_app
 from chkq.config.settings import Settings
 from chkq.demo import RunShape, make_run
 from chkq.tasks.canvas import consolidation_signature
 from chkq.tasks.from_store import stage_signature
 from chkq.workers import client, sender
 from chkq.workers.broker import PrivateRedis
-from chkq.workers.client import submit_consolidation
+from chkq.workers.client import consolidate_checkpoints, submit_consolidation
 from support.helpers import assert_consolidated
 from support.plugins.cluster import WorkerProcess
 
@@ -216,3 +216,25 @@ def test_a_bad_run_sent_directly_fails_through_its_errback(
     with pytest.raises(ValueError, match=r"thread_0001.h5.*not HDF5"):
         job.wait_for_output(timeout=TIMEOUT)
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+@pytest.fixture
+def no_broker(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process has no broker configured (as a user without ``CHKQ_BROKER_URL``)."""
+    for name in ("CHKQ_BROKER_URL", "CHKQ_RESULT_BACKEND"):
+        monkeypatch.delenv(name, raising=False)
+    settings = get_settings()
+    previous = use_app(None, replace(settings, broker_url=None, result_backend=None))
+    try:
+        yield
+    finally:
+        use_app(previous, settings)
+
+
+def test_an_embedded_cluster_runs_a_job_sent_directly(tmp_path: Path, direct_only: None,
+                                                       no_broker: None) -> None:
+    """No broker configured: the embedded cluster's Unix-socket Redis gets the message
+    directly, and its workers consolidate the run."""
+    files = make_run(tmp_path, "run", RunShape(checkpoints=2, writers=2, trials=20))
+    output = consolidate_checkpoints("run", tmp_path, workers=1)
+    assert_consolidated(Path(output), files)
