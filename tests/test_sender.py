@@ -99,20 +99,21 @@ def private_app(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any]]:
             close_app(app)
 
 
-def _celery_sends(redis: Any, case: Case) -> tuple[str, str, dict[str, Any]]:
-    """What Celery writes for the job's first message: the list entry, the sent event and
-    the queue's other keys."""
+def _sends(redis: Any, send: Callable[[], Any]) -> tuple[str, str, dict[str, Any]]:
+    """What ``send()`` writes for a job's first message: the list entry, the sent event
+    and the queue's other keys."""
     events = redis.pubsub(ignore_subscribe_messages=True)
     events.subscribe(EVENTS)
     events.get_message(timeout=1.0)
-    case.signature.apply_async()
+    send()
     entry = redis.rpop(QUEUE).decode()
+    assert redis.llen(QUEUE) == 0
     deadline = time.monotonic() + 5
     event = None
     while event is None and time.monotonic() < deadline:
         event = events.get_message(timeout=1.0)
     events.close()
-    assert event is not None, "Celery published no task-sent event"
+    assert event is not None, "no task-sent event published"
     return entry, event["data"].decode(), _queue_keys(redis)
 
 
@@ -138,7 +139,7 @@ def test_the_direct_message_is_celerys_byte_for_byte(
     app, redis = private_app
     job = os.urandom(16).hex()
     case = make(job)
-    entry, event, state = _celery_sends(redis, case)
+    entry, event, state = _sends(redis, case.signature.apply_async)
     celery = json.loads(entry)
     built = sender.job_message(case.task, job, case.args, case.kwargs, case.fail_args,
                                sender=celery["headers"]["origin"],
@@ -153,13 +154,22 @@ def test_the_direct_message_is_celerys_byte_for_byte(
                              delivery_tag=celery_event["properties"]["delivery_tag"]) == event
 
     redis.flushdb()
-    assert sender.send_job(app, case.task, job, case.args, case.kwargs, case.fail_args)
-    direct = json.loads(redis.rpop(QUEUE).decode())
+    sent: list[bool] = []
+    direct_entry, direct_event, direct_state = _sends(redis, lambda: sent.append(
+        sender.send_job(app, case.task, job, case.args, case.kwargs, case.fail_args)))
+    assert sent == [True]
+    direct = json.loads(direct_entry)
     assert sender.origin() == celery["headers"]["origin"]
     for message in (direct, celery):
         message["properties"]["delivery_tag"] = message["properties"]["reply_to"] = "-"
     assert direct == celery
-    assert _queue_keys(redis) == state
+    assert direct_state == state
+    events = [json.loads(direct_event), celery_event]
+    bodies = [_body(direct_event), shown]
+    for outer, body in zip(events, bodies, strict=True):
+        outer["properties"]["delivery_tag"] = outer["body"] = "-"
+        body["timestamp"] = body["clock"] = 0
+    assert events[0] == events[1] and bodies[0] == bodies[1]
 
 
 def test_signed_or_unusual_messages_go_through_celery(private_app: tuple[Any, Any]) -> None:

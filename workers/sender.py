@@ -226,8 +226,8 @@ def job_message(task: str, job: str, args: list[Any], kwargs: dict[str, Any],
         return None
     queue = TASK_ROUTES[task]["queue"]
     task_id = step_id(job, task.removeprefix("chkq."))
-    errback: dict[str, Any] = {"task": FAIL_TASK, "args": fail_args, "kwargs": {}, "options": {},
-               "subtask_type": None, "immutable": False}
+    errback: dict[str, Any] = {"task": FAIL_TASK, "args": fail_args, "kwargs": {},
+                               "options": {}, "subtask_type": None, "immutable": False}
     body = [args, kwargs, {"callbacks": None, "errbacks": [errback], "chain": None,
                            "chord": None}]
     headers: dict[str, Any] = {
@@ -294,7 +294,7 @@ def send_job(app: Any, task: str, job: str, args: list[Any], kwargs: dict[str, A
         return False
     entry, fields = built
     queue = fields["queue"]
-    event = sent_event(fields, sender=sender, clock=1, timestamp=time.time(),
+    event = sent_event(fields, sender=sender, clock=app.clock.forward(), timestamp=time.time(),
                        delivery_tag=str(uuid.uuid4()))
     binding = KOMBU_SEP.join((queue, "", queue))
     ring = keys.ring(queue) if "+" not in url.partition("://")[0] else None
