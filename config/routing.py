@@ -6,9 +6,12 @@ Operators give I/O-heavy copies their own workers by starting them with
 
 from __future__ import annotations
 
-from kombu import Queue
+from typing import TYPE_CHECKING
 
 from chkq.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from kombu import Queue
 
 CONTROL_QUEUE = "chkq.control"
 COPY_QUEUE = "chkq.copy"
@@ -54,6 +57,8 @@ def task_queues(quorum: bool = False) -> list[Queue]:
     closes. Every client and worker declares them alike (RabbitMQ refuses a
     queue declared again with other arguments).
     """
+    from kombu import Queue
+
     arguments = {"x-queue-type": "quorum"} if quorum else None
     return [Queue(name, routing_key=name, durable=True, queue_arguments=arguments)
             for name in QUEUES]
@@ -61,6 +66,8 @@ def task_queues(quorum: bool = False) -> list[Queue]:
 
 def node_queue(nodename: str, quorum: bool = False) -> Queue:
     """The queue of the worker named ``nodename`` (``celery@host``), declared as chkq's are."""
+    from kombu import Queue
+
     name = NODE_QUEUE_PREFIX + nodename
     arguments = {"x-queue-type": "quorum"} if quorum else None
     return Queue(name, routing_key=name, durable=True, queue_arguments=arguments)

@@ -9,6 +9,7 @@ from celery.exceptions import ChordError
 from celery.result import AsyncResult
 
 from chkq.config.celery_app import get_app
+from chkq.jobs.first_messages import plan_kwargs
 from chkq.jobs.records import task_id
 
 
@@ -35,15 +36,9 @@ def consolidation_signature(out_dir: str, model: str, job: str, cleanup: bool,
     with users' keys require; it too travels only when given, as does ``through``
     (only the checkpoints numbered up to it: the first version of a followed run).
     """
-    kwargs: dict[str, Any] = {"cleanup": cleanup}
-    if allow_gaps:
-        kwargs["allow_gaps"] = True
-    if party is not None:
-        kwargs["party"] = party
-    if through is not None:
-        kwargs["through"] = through
     sig = signature(
-        "chkq.plan", args=(out_dir, model, job), kwargs=kwargs, app=get_app()
+        "chkq.plan", args=(out_dir, model, job),
+        kwargs=plan_kwargs(cleanup, allow_gaps, party, through), app=get_app()
     ).set(task_id=task_id(job, "plan"), link_error=[fail_signature(out_dir, model, job, queue)])
     return sig if queue is None else sig.set(queue=queue)
 

@@ -50,6 +50,7 @@ from chkq.errors import (
 )
 from chkq.fsutil import private_directory
 from chkq.jobs import keys
+from chkq.jobs.first_messages import stage_kwargs
 from chkq.jobs.records import task_id
 from chkq.log.records import OutputEntry
 from chkq.staging import (
@@ -576,13 +577,7 @@ def stage_signature(source: str, model: str, job: str, *, run: str | None = None
     ``party``: the submitter's credential (:func:`chkq.tasks.parties.stage_credential`).
     ``verify_data`` is sent only when set, so that a message without it is what it was.
     """
-    kwargs: dict[str, Any] = {"run": run, "to": to, "cleanup": cleanup}
-    if allow_gaps:
-        kwargs["allow_gaps"] = True
-    if verify_data:
-        kwargs["verify_data"] = True
-    if party is not None:
-        kwargs["party"] = party
+    kwargs = stage_kwargs(run, to, cleanup, allow_gaps, party, verify_data)
     return signature("chkq.stage", args=(source, model, job), kwargs=kwargs,
                      app=get_app(), immutable=True).set(
         task_id=task_id(job, "stage"), link_error=[fail_signature("", model, job)])

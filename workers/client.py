@@ -43,11 +43,13 @@ from chkq.errors import (  # noqa: F401 (re-exported)
     RunNotFoundError,
     WaitTimeoutError,
 )
+from chkq.jobs.first_messages import plan_kwargs, stage_kwargs
 from chkq.jobs.status import dataset_rows, rows_phrase
 from chkq.tasks.canvas import consolidation_signature, root_cause
 from chkq.tasks.parties import plan_credential, stage_credential
 from chkq.tasks.state import job_status, records
 from chkq.workers.claims import refuse_if_running, run_claim
+from chkq.workers.sender import PLAN_TASK, STAGE_TASK, send_job
 from chkq.workers.waiting import BROKER_ERRORS, EndSignal, QueueWatch
 
 #: How often a waiting client reads the job's state; the job's end wakes it at once
@@ -412,8 +414,11 @@ def submit_consolidation(
     submitted = time.monotonic()
     party = plan_credential(job, str(directory), model, cleanup, allow_gaps)
     records().record_submitted(job, model, str(directory))
-    consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
-                            party=party, through=through).apply_async()
+    args = [str(directory), model, job]
+    if not send_job(get_app(), PLAN_TASK, job, args,
+                    plan_kwargs(cleanup, allow_gaps, party, through), args):
+        consolidation_signature(str(directory), model, job, cleanup, allow_gaps,
+                                party=party, through=through).apply_async()
     handle = ConsolidationJob.sent(job, JobFiles(directory, model, job), submitted)
     handle.client_warnings = tuple(notes)
     return handle
@@ -447,8 +452,11 @@ def submit_store_consolidation(
     submitted = time.monotonic()
     party = stage_credential(job, source, model, run, to, cleanup, allow_gaps, verify_data)
     records().record_submitted(job, model, source)
-    stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
-                    allow_gaps=allow_gaps, party=party, verify_data=verify_data).apply_async()
+    if not send_job(get_app(), STAGE_TASK, job, [source, model, job],
+                    stage_kwargs(run, to, cleanup, allow_gaps, party, verify_data),
+                    ["", model, job]):
+        stage_signature(source, model, job, run=run, to=to, cleanup=cleanup,
+                        allow_gaps=allow_gaps, party=party, verify_data=verify_data).apply_async()
     return ConsolidationJob.sent(job, submitted_at=submitted)
 
 
