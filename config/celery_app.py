@@ -166,7 +166,21 @@ def make_app(settings: Settings | None = None) -> Celery:
     celery = _Chkq("chkq", include=list(TASK_MODULES), task_cls=_LimitedTask)
     celery.conf.update(celery_config(settings))
     install_signing(celery, settings)
+    if not settings.broker_is_amqp:
+        use_chkq_transport()
     return celery
+
+
+def use_chkq_transport() -> None:
+    """Make chkq's transport the one kombu takes for ``redis`` in this process.
+
+    ``broker_transport`` names it, but kombu takes a URL's ``redis+socket://``
+    prefix as the transport's name instead, which would give a broker on a
+    Unix socket (the embedded cluster's) kombu's own Redis transport.
+    """
+    from kombu.transport import TRANSPORT_ALIASES
+
+    TRANSPORT_ALIASES["redis"] = TRANSPORT_CLASS
 
 
 _settings: Settings | None = None

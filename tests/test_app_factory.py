@@ -61,3 +61,14 @@ def test_a_redis_result_backend_is_found_without_asking_every_installed_package(
     assert isinstance(backend, RedisBackend) and isinstance(backend, RequeueOutages)
     monkeypatch.undo()
     assert backend_by_url("cache+memory://", app.loader) == expected["cache+memory://"]
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0",
+                                 "redis+socket://:pw@/tmp/chkq-none/redis.sock?virtual_host=0"])
+def test_every_redis_broker_gets_chkqs_transport(url: str) -> None:
+    """A broker on a Unix socket (the embedded cluster's) gets the transport a cluster's
+    gets, though kombu takes the URL's ``redis+`` prefix as the transport's name."""
+    from chkq.workers.runtime.broker_transport import Transport
+
+    app = make_app(Settings(broker_url=url, result_backend=url))
+    assert isinstance(app.connection_for_write().transport, Transport)

@@ -14,9 +14,7 @@ module writes what Celery's ``apply_async`` writes through chkq's transport
   keeps in the list named as the queue;
 - the queue's binding (``_kombu.binding.QUEUE``), as Celery's first publish
   to a queue declares it;
-- a token on the queue's ring, which wakes an idle worker (not for a
-  ``redis+socket://`` URL: kombu takes the scheme's prefix as the transport,
-  its own Redis transport then, which neither writes nor reads rings);
+- a token on the queue's ring, which wakes an idle worker;
 - the ``task-sent`` event (``task_send_sent_event``), published on the
   ``celeryev`` fanout channel.
 
@@ -271,17 +269,16 @@ def send_job(app: Any, task: str, job: str, args: list[Any], kwargs: dict[str, A
     event = sent_event(fields, sender=sender, clock=app.clock.forward(), timestamp=time.time(),
                        delivery_tag=str(uuid.uuid4()))
     binding = KOMBU_SEP.join((queue, "", queue))
-    ring = keys.ring(queue) if "+" not in url.partition("://")[0] else None
+    ring = keys.ring(queue)
     client = redis_client(url)
     try:
         pipe = client.pipeline(transaction=True)
         pipe.sadd(f"_kombu.binding.{queue}", binding)
         pipe.sadd(f"_kombu.binding_permanent.{queue}", binding)
         pipe.lpush(queue, entry)
-        if ring is not None:
-            pipe.lpush(ring, "1")
-            pipe.ltrim(ring, 0, RING_TOKENS - 1)
-            pipe.expire(ring, RING_SECONDS)
+        pipe.lpush(ring, "1")
+        pipe.ltrim(ring, 0, RING_TOKENS - 1)
+        pipe.expire(ring, RING_SECONDS)
         pipe.publish(f"/{_db_of(url)}.celeryev/task.sent", event)
         pipe.execute()
     finally:
