@@ -29,7 +29,7 @@ def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
     Only a run of plain objects (a log's checkpoints are delta-compressed:
     no byte of them is a row) published to the store it is in, whose store
     takes parts from many nodes, whose template's extensible datasets are
-    all raw (read from its metadata), and which is at least
+    all of a fixed-size type, raw or filtered (read from its metadata), and which is at least
     ``CHKQ_SPREAD_BYTES`` or does not fit in this worker's scratch. A store
     that cannot copy ranges itself (GCS) is spread only when the run does
     not fit: every byte then passes through the nodes, once each.
