@@ -160,7 +160,7 @@ def test_the_destination_taken_midway_fails_clearly_and_leaves_no_upload(
 GZIP_ROWS = [[64 * 48, 64 * 53, 0], [64 * 65, 64 * 38, 0], [64 * 57, 64 * 44 + 17]]
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", "s3", "gcs"])
 def test_a_gzip_run_larger_than_any_node_is_assembled_in_the_store(
         kind: str, nodes: tuple[Cluster, list[WorkerProcess]], places: dict[str, Path],
         tmp_path: Path) -> None:
@@ -195,10 +195,12 @@ def test_a_damaged_gzip_chunk_the_staging_node_encodes_fails_the_job_naming_it(
     """A source chunk encoded again that does not decode: a clear failure, nothing left."""
     del nodes
     run_dir = tmp_path / "run"
-    files = gzip_run(run_dir, [[3000, 2000], [2500]], width=8)
-    with h5py.File(files[1], "r") as f:
+    files = gzip_run(run_dir, GZIP_ROWS)
+    # Its first row is off the 1,024-row grid of /galaxy/trial: its chunks are encoded again.
+    victim = run_dir / "sim_chk00002" / "thread_0000.h5"
+    with h5py.File(victim, "r") as f:
         info = f["galaxy/trial"].id.get_chunk_info(0)
-    with open(files[1], "r+b") as fh:
+    with open(victim, "r+b") as fh:
         fh.seek(info.byte_offset + info.size // 2)
         fh.write(b"\xff" * 16)
     url = store_url("s3", places)
@@ -212,10 +214,34 @@ def test_a_damaged_gzip_chunk_the_staging_node_encodes_fails_the_job_naming_it(
     said = str(failed.value)
     found = store_job(job.id)
     assert found is not None and found.spread, "the job was not spread over the nodes"
-    assert "dataset /galaxy/trial of" in said and "thread_0001.h5" in said, said
+    assert "dataset /galaxy/trial of" in said, said
+    assert "sim_chk00002/thread_0000.h5 cannot be read" in said, said
     assert "nothing was published" in said, said
     assert store.list() == sorted(keys)
     assert store.stray_uploads() == []
     for node in ("node0", "node1"):
         work = places[node] / "work"
         assert not work.exists() or list(work.iterdir()) == [], f"workspace left on {node}"
+
+
+def test_a_gzip_run_one_node_can_hold_is_consolidated_on_one_node(
+        nodes: tuple[Cluster, list[WorkerProcess]], places: dict[str, Path],
+        tmp_path: Path) -> None:
+    """Whether a filtered run's chunks can be copied as stored is known only once planned: a
+    run that fits in the staging node's scratch is not spread, whatever CHKQ_SPREAD_BYTES."""
+    del nodes
+    run_dir = tmp_path / "run"
+    files = gzip_run(run_dir, [[3000, 2000], [2500]], width=8)
+    url = store_url("s3", places)
+    store = open_store(url)
+    upload_run(files, run_dir, store)
+
+    job = submit_store_consolidation("sim", url)
+    job.wait_for_summary(timeout=TIMEOUT)
+
+    found = store_job(job.id)
+    done = records().finished_result(job.id)
+    assert done is not None and not done.get("spread"), done
+    assert found is None or not found.spread
+    assert_same_hdf5(fetched(store, "sim.h5", tmp_path),
+                     reference_output(files, run_dir, places, "sim"))

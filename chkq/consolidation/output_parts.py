@@ -130,6 +130,19 @@ def template_refusal(template: h5py.File) -> str | None:
     return found[0] if found else None
 
 
+def filtered_datasets(template: h5py.File) -> list[str]:
+    """The template's extensible datasets of a fixed-size type that are filtered (``chunks``)."""
+    found: list[str] = []
+
+    def visit(name: str, obj: object) -> None:
+        if (isinstance(obj, h5py.Dataset) and obj.maxshape and obj.maxshape[0] is None
+                and dataset_mode(obj.id) == "chunks"):
+            found.append(name)
+
+    template.visititems(visit)
+    return found
+
+
 def _grid(d: DatasetPlan) -> tuple[int, int]:
     """Chunks per row of chunks, and bytes of one row of one chunk, of ``d``."""
     tile = d.chunk[1:]
