@@ -35,7 +35,7 @@ from chkq.consolidation.output_parts import (
 )
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.prepare import prepare
-from chkq.errors import CheckpointCorruptionError
+from chkq.errors import BadMessageError, CheckpointCorruptionError
 from chkq.stores.base import CheckpointStore
 from chkq.stores.local import LocalDirectoryStore
 from support.corpus_expect import compare
@@ -171,3 +171,24 @@ def test_a_damaged_source_chunk_encoded_again_is_named(tmp_path: Path) -> None:
     assert "sim_chk00001/thread_0001.h5" in str(failed.value), failed.value
     assert "nothing was published" in str(failed.value)
     assert not any(p.name.endswith(".filled") for p in (tmp_path / "mirrors").rglob("*"))
+
+
+@pytest.mark.parametrize("wrong", ["start", "size", "file"])
+def test_a_moved_chunk_planned_from_the_wrong_place_is_refused(tmp_path: Path,
+                                                              wrong: str) -> None:
+    run = tmp_path / "run"
+    gzip_run(run, rows=[[2048, 1024], [1500]], width=8)
+    store, plan, keys = _mirrored(run, tmp_path)
+    write_chunks(plan, _reader(store, keys))
+    d = plan.datasets[0]
+    n = d.chunk_files.index(1)
+    if wrong == "start":
+        d.chunk_starts[n] += 8
+    elif wrong == "size":
+        d.chunk_sizes[n] -= 1
+    else:
+        d.chunk_files[n] = 0
+
+    with pytest.raises((CheckpointCorruptionError, BadMessageError),
+                       match=f"dataset /{d.name}"):
+        chunk_maps(plan, lambda f: h5f.open(os.fsencode(plan.file_path(f)), h5f.ACC_RDONLY))

@@ -31,6 +31,7 @@ source ranges and the proof of the assembled object checks the index.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import hashlib
@@ -234,7 +235,7 @@ def _source_rows(plan: Plan, d: DatasetPlan, filled: _Filled, first: int, out: n
     at = 0
     while at < len(out):
         row = first + at
-        f = next(i for i in range(len(plan.files)) if d.offsets[i] <= row < d.offsets[i + 1])
+        f = bisect.bisect_right(d.offsets, row) - 1
         take = min(len(out) - at, d.offsets[f + 1] - row)
         source = filled.dataset(f, d.name)
         where = f"dataset /{d.name} of {plan.files[f][0]}"
@@ -467,11 +468,13 @@ def moved_pieces(plan: Plan) -> list[tuple[int, int, int, int]]:
     return found
 
 
-def check_moved(plan: Plan, dataset: int, file_index: int, fid: h5f.FileID) -> None:
-    """Check a file's chunks the plan moves from it against its own chunk index.
+def check_moved(plan: Plan, dataset: int, file_index: int, fid: h5f.FileID) -> int:
+    """Check a file's chunks the plan moves from it against its own chunk index; their number.
 
     Each moved chunk must be the file's stored chunk of the same rows, at the
-    planned offset, of the planned size and filter mask.
+    planned offset, of the planned size and filter mask. The chunks checked
+    are the run of them from the file's first row on: the caller compares
+    their number with the chunks the plan moves from the file.
 
     Raises
     ------
@@ -479,18 +482,21 @@ def check_moved(plan: Plan, dataset: int, file_index: int, fid: h5f.FileID) -> N
         Naming the file and dataset, where they differ.
     """
     d = plan.datasets[dataset]
-    if d.mode != "chunks" or file_index not in d.chunk_files:
-        return
+    tiles = len(chunk_starts(d))
+    # A file's moved chunks are those of its first rows: a run of the output's from its first.
+    base_chunk = d.offsets[file_index] // d.chunk[0] * tiles
+    if (d.mode != "chunks" or base_chunk >= len(d.chunk_files)
+            or d.chunk_files[base_chunk] != file_index):
+        return 0
     source = h5d.open(fid, d.name.encode())
     index = stored_chunks(source, tuple(source.get_create_plist().get_chunk()), source.shape)
-    tiles = len(chunk_starts(d))
-    base_chunk = d.offsets[file_index] // d.chunk[0] * tiles
-    for n, f in enumerate(d.chunk_files):
-        if f != file_index:
-            continue
-        info = index[n - base_chunk][1] if 0 <= n - base_chunk < len(index) else None
+    n = base_chunk
+    while n < len(d.chunk_files) and d.chunk_files[n] == file_index:
+        info = index[n - base_chunk][1] if n - base_chunk < len(index) else None
         if info is None or (int(info.byte_offset), int(info.size), int(info.filter_mask)) != (
                 d.chunk_starts[n], d.chunk_sizes[n], d.chunk_masks[n]):
             raise CheckpointCorruptionError(
                 f"dataset /{d.name} of {plan.files[file_index][0]}: its chunk {n - base_chunk} "
                 "is not the one planned to be moved into the output")
+        n += 1
+    return n - base_chunk

@@ -17,6 +17,7 @@ and sent), and :func:`build_part` produces a built part's bytes.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -200,12 +201,16 @@ def chunk_maps(plan: Plan, open_file: Callable[[int], h5f.FileID]) -> list[list[
     (:func:`chkq.consolidation.encoded_parts.check_moved`).
     """
     maps: list[list[list[int]]] = [[] for _ in plan.datasets]
+    claimed = [Counter(d.chunk_files) for d in plan.datasets]
     for f in range(len(plan.files)):
         fid = open_file(f)
         try:
             for i, d in enumerate(plan.datasets):
                 if d.mode == "chunks":
-                    check_moved(plan, i, f, fid)
+                    if check_moved(plan, i, f, fid) != claimed[i][f]:
+                        raise BadMessageError(
+                            f"dataset /{d.name}: the plan moves chunks of "
+                            f"{plan.files[f][0]} into rows it does not provide")
                     maps[i].append([])
                 else:
                     maps[i].append(chunk_map(plan, i, f, fid))
