@@ -13,6 +13,7 @@ import logging
 import h5py
 
 from chkq.config.celery_app import get_settings
+from chkq.consolidation.mirror import LIST_BLOCK_BYTES, LIST_CACHE_BYTES
 from chkq.consolidation.output_parts import filtered_datasets, template_refusal
 from chkq.errors import OutputWriteError
 from chkq.staging import StoreRun, check_room
@@ -56,7 +57,8 @@ def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
     template = next(o for o, n in zip(run.objects, numbered, strict=True) if n == last)
     filtered: list[str] = []
     try:
-        with h5py.File(ObjectFile(store, template.key), "r") as f:
+        with h5py.File(ObjectFile(store, template.key, block_size=LIST_BLOCK_BYTES,
+                                  cache_blocks=LIST_CACHE_BYTES // LIST_BLOCK_BYTES), "r") as f:
             why = template_refusal(f)
             filtered = filtered_datasets(f) if why is None and fits else []
     except (OSError, ValueError, KeyError) as exc:
