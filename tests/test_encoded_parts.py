@@ -22,6 +22,7 @@ from h5py import h5f
 from test_mirror import new_file, upload
 from test_skeleton_space import _holes_supported
 
+from chkq.consolidation import encoded_parts
 from chkq.consolidation.checkpoint_files import stored_chunks
 from chkq.consolidation.encoded_parts import write_chunks
 from chkq.consolidation.mirror import sealed_mirror
@@ -35,7 +36,7 @@ from chkq.consolidation.output_parts import (
 )
 from chkq.consolidation.plan import Plan
 from chkq.consolidation.prepare import prepare
-from chkq.errors import BadMessageError, CheckpointCorruptionError
+from chkq.errors import BadCheckpointError, BadMessageError, CheckpointCorruptionError
 from chkq.stores.base import CheckpointStore
 from chkq.stores.local import LocalDirectoryStore
 from support.corpus_expect import compare
@@ -192,3 +193,16 @@ def test_a_moved_chunk_planned_from_the_wrong_place_is_refused(tmp_path: Path,
     with pytest.raises((CheckpointCorruptionError, BadMessageError),
                        match=f"dataset /{d.name}"):
         chunk_maps(plan, lambda f: h5f.open(os.fsencode(plan.file_path(f)), h5f.ACC_RDONLY))
+
+
+def test_more_chunks_to_encode_again_than_the_bound_refuse_the_spread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    gzip_run(run, rows=[[3000, 2000], [2500]], width=8)
+    store, plan, keys = _mirrored(run, tmp_path)
+    monkeypatch.setattr(encoded_parts, "MAX_ENCODED_BYTES", 4096)
+
+    with pytest.raises(BadCheckpointError, match="cannot be spread over the nodes: more than "
+                       "4,096 bytes of its filtered chunks would be encoded again"):
+        write_chunks(plan, _reader(store, keys))
+    assert not any(p.name.endswith(".filled") for p in (tmp_path / "mirrors").rglob("*"))
