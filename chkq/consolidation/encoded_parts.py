@@ -66,6 +66,8 @@ from chkq.rundir import CREATE, READ, RunDir, fd_path
 #: Most bytes of source chunks the planning node fetches to encode chunks again: what it
 #: encodes lands in the skeleton, which a job record carries (at most as many bytes).
 MAX_ENCODED_BYTES = 64 << 20
+#: Bytes between two source chunks to encode again that one read takes in rather than two.
+FILL_GAP_BYTES = 64 << 10
 #: Placeholder bytes written before they are punched out of the skeleton.
 PUNCH_BYTES = 8 << 20
 
@@ -134,8 +136,9 @@ def _source_layout(plan: Plan, d: DatasetPlan, template: h5d.DatasetID, file_ind
         row = []
         for _, info in index[k * tiles:(k + 1) * tiles]:
             if info is None or info.byte_offset is None:
-                raise CheckpointCorruptionError(f"{where}: a chunk of rows {k * per_chunk}- "
-                                                "is not stored, though its index counts it")
+                raise CheckpointCorruptionError(f"{where}: a chunk of its rows from "
+                                                f"{k * per_chunk} on is not stored, though "
+                                                "its index counts it")
             row.append((int(info.byte_offset), int(info.size), int(info.filter_mask)))
         moved.append(Moved(start + k * per_chunk, file_index, tuple(row)))
     return moved, (end, stop)
@@ -146,29 +149,37 @@ def _sparse_copy(run: RunDir, plan: Plan, file_index: int, path: str) -> int:
     src = open_unchanged(run, plan.file_path(file_index), plan.stamp(file_index), plan.job_id)
     try:
         out = run.open_file(path, CREATE, 0o600)
-        size = os.fstat(src).st_size
-        at = 0
-        while at < size:
-            try:
-                data = os.lseek(src, at, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno != errno.ENXIO:
-                    raise
-                break
-            hole = os.lseek(src, data, os.SEEK_HOLE)
-            while data < hole:
-                chunk = os.pread(src, min(8 << 20, hole - data), data)
-                os.pwrite(out, chunk, data)
-                data += len(chunk)
-            at = hole
-        os.ftruncate(out, size)
+        try:
+            size = os.fstat(src).st_size
+            at = 0
+            while at < size:
+                try:
+                    data = os.lseek(src, at, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno != errno.ENXIO:  # no data past ``at``: the rest is a hole
+                        raise
+                    break
+                hole = os.lseek(src, data, os.SEEK_HOLE)
+                while data < hole:
+                    chunk = os.pread(src, min(8 << 20, hole - data), data)
+                    if not chunk:
+                        raise OSError(errno.EIO, f"{plan.file_path(file_index)} shrank while "
+                                      "it was copied")
+                    view = memoryview(chunk)
+                    while view:
+                        written = os.pwrite(out, view, data)
+                        view, data = view[written:], data + written
+                at = hole
+            os.ftruncate(out, size)
+        except BaseException:
+            os.close(out)
+            raise
         return out
     finally:
         os.close(src)
 
 
-def _needed_chunks(d: DatasetPlan, source: h5d.DatasetID, lo: int, hi: int
-                   ) -> list[tuple[int, int]]:
+def _needed_chunks(source: h5d.DatasetID, lo: int, hi: int) -> list[tuple[int, int]]:
     """``(offset, size)`` of the source's stored chunks holding its rows ``[lo, hi)``."""
     chunk = tuple(source.get_create_plist().get_chunk())
     found = []
@@ -201,15 +212,25 @@ class _Filled:
         if file_index not in self.paths:
             path = f"{self.plan.file_path(file_index)}.filled"
             self.run.unlink(path)
-            fd = _sparse_copy(self.run, self.plan, file_index, path)
             self.paths[file_index] = path
+            fd = _sparse_copy(self.run, self.plan, file_index, path)
         else:
             fd = self.run.open_file(self.paths[file_index], os.O_WRONLY | os.O_NOFOLLOW
                                     | os.O_CLOEXEC)
+        # Chunks close together in the source in one read: the bytes between are the
+        # source's too (its metadata, as in the mirror, or other chunks).
+        reads: list[list[int]] = []
+        for offset, size in sorted(ranges):
+            if reads and offset - (reads[-1][0] + reads[-1][1]) <= FILL_GAP_BYTES:
+                reads[-1][1] = max(reads[-1][1], offset + size - reads[-1][0])
+            else:
+                reads.append([offset, size])
         try:
-            for offset, size in ranges:
-                data = self.read(file_index, offset, size)
-                os.pwrite(fd, data, offset)
+            for offset, size in reads:
+                view = memoryview(self.read(file_index, offset, size))
+                while view:
+                    written = os.pwrite(fd, view, offset)
+                    view, offset = view[written:], offset + written
         finally:
             os.close(fd)
 
@@ -351,7 +372,7 @@ def write_chunks(plan: Plan, read: SourceReader) -> int:
                     moved.update((m.row, m) for m in given)
                     if hi > lo:
                         source = h5d.open(fid, d.name.encode())
-                        filled.fill(f, _needed_chunks(d, source, lo - d.offsets[f],
+                        filled.fill(f, _needed_chunks(source, lo - d.offsets[f],
                                                       hi - d.offsets[f]))
                 finally:
                     fid.close()
