@@ -217,7 +217,8 @@ class Settings:
         not fit in the staging worker's scratch, is spread over every node
         (``CHKQ_SPREAD_BYTES``, default 1 GiB): its output is assembled in the
         store from parts, where the store can (a local directory, S3, GCS)
-        and the run's rows are all plain chunk bytes in one store.
+        and the run's rows are all of a fixed-size type in one store (a run
+        with compressed datasets only when it does not fit).
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
         used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the
