@@ -30,10 +30,15 @@ scratch of the busiest node (allocated blocks, sampled every 0.1 s).
 Usage::
 
     .venv/bin/python bench/spread.py [--checkpoints 8] [--trials 30000] [--repeat 3]
-        [--nodes 1,2,3] [--verify-data] [--no-one-node] [--keep DIR]
+        [--nodes 1,2,3] [--verify-data] [--no-one-node] [--keep DIR] [--wide | --gzip]
 
 With ``--verify-data``, each ``spread N`` row is followed by the same job with
 ``--verify-data`` on the same nodes, and the ratio of the two is printed.
+
+With ``--gzip`` the run is thread directories of shuffle+gzip files
+(:func:`gzip_run`), and the spread rows' nodes each get a tmpfs scratch of a
+quarter of the run (run as root): a filtered run is spread only when it does
+not fit in the staging node's scratch.
 """
 
 from __future__ import annotations
@@ -60,8 +65,12 @@ MODEL = "run"
 
 
 @contextlib.contextmanager
-def nodes(count: int, root: Path, env: dict[str, str]) -> Iterator[list[Path]]:
-    """``count`` worker nodes, each ``chkq worker -c 2`` with a scratch of its own."""
+def nodes(count: int, root: Path, env: dict[str, str],
+          tmpfs_mib: int = 0) -> Iterator[list[Path]]:
+    """``count`` worker nodes, each ``chkq worker -c 2`` with a scratch of its own.
+
+    With ``tmpfs_mib``, each scratch is a tmpfs of that size (mounted here: root only).
+    """
     from chkq.config.celery_app import get_app
     from chkq.workers.runtime.launch import launch_worker
 
@@ -71,6 +80,9 @@ def nodes(count: int, root: Path, env: dict[str, str]) -> Iterator[list[Path]]:
             scratch = root / f"node{n}-{uuid.uuid4().hex[:6]}"
             scratch.mkdir(mode=0o700)
             scratches.append(scratch)
+            if tmpfs_mib:
+                subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_mib}m,mode=0700",
+                                "tmpfs", str(scratch)], check=True)
             log = open(root / f"{scratch.name}.log", "wb")  # noqa: SIM115 (closed below)
             logs.append(log)
             processes.append(launch_worker(
@@ -91,6 +103,9 @@ def nodes(count: int, root: Path, env: dict[str, str]) -> Iterator[list[Path]]:
                 process.kill()
         for log in logs:
             log.close()
+        if tmpfs_mib:
+            for scratch in scratches:
+                subprocess.run(["umount", "-l", str(scratch)], check=False)
 
 
 def wide_run(run_dir: Path, checkpoints: int, rows: int) -> list[Path]:
@@ -114,6 +129,45 @@ def wide_run(run_dir: Path, checkpoints: int, rows: int) -> list[Path]:
     return files
 
 
+def gzip_run(run_dir: Path, checkpoints: int, rows: int) -> list[Path]:
+    """Thread directories of three writers (the last of none), shuffle+gzip, h5py's chunks.
+
+    Each writer appends (its datasets created empty, then grown), so h5py
+    guesses the same chunks in every file: 64 x 63 of a 1,000-column
+    ``spec``, 1,024 rows of ``trial``. Writers' rows differ, multiples of 64
+    (``spec``'s chunks move unchanged, ``trial``'s are mostly encoded again),
+    the run's last file 17 rows more.
+    """
+    import h5py
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    files, total = [], 0
+    for number in range(1, checkpoints + 1):
+        folder = run_dir / f"{MODEL}_chk{number:05d}"
+        folder.mkdir(parents=True)
+        for writer, count in enumerate((rows // 128 * 64 + 64 * number, rows // 128 * 64, 0)):
+            count += 17 if number == checkpoints and writer == 1 else 0
+            path = folder / f"thread_{writer:04d}.h5"
+            with h5py.File(path, "w") as f:
+                f.attrs["trials_completed"] = np.uint64(total + count)
+                f.create_dataset("grid", data=np.linspace(0.0, 1.0, 77))
+                trial = f.create_dataset("trial", shape=(0,), maxshape=(None,), dtype="u8",
+                                         chunks=True, compression="gzip", shuffle=True)
+                spec = f.create_dataset("spec", shape=(0, 1000), maxshape=(None, 1000),
+                                        dtype="f8", chunks=True, compression="gzip",
+                                        shuffle=True)
+                trial.resize(count, axis=0)
+                spec.resize(count, axis=0)
+                trial[:] = np.arange(total, total + count)
+                for start in range(0, count, 4096):
+                    stop = min(count, start + 4096)
+                    spec[start:stop] = np.round(rng.random((stop - start, 1000)), 3)
+            total += count
+            files.append(path)
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoints", type=int, default=8)
@@ -128,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run each spread row with --verify-data, on the same nodes")
     parser.add_argument("--no-one-node", action="store_true",
                         help="leave out the one-node row (ratios are then to the first row)")
+    parser.add_argument("--gzip", action="store_true",
+                        help="thread directories of shuffle+gzip files (h5py's chunks, "
+                        "--trials rows a checkpoint); the spread rows' nodes get a tmpfs "
+                        "scratch of a quarter of the run (a filtered run is spread only when "
+                        "it does not fit)")
     args = parser.parse_args(argv)
 
     from chkq.config.celery_app import make_app, use_app
@@ -151,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_dir = root / "run"
         if run_dir.is_dir():
-            files = sorted(run_dir.glob("*.h5"))
+            files = sorted(run_dir.rglob("*.h5"))
+        elif args.gzip:
+            files = gzip_run(run_dir, args.checkpoints, args.trials)
         elif args.wide:
             files = wide_run(run_dir, args.checkpoints, args.trials)
         else:
@@ -160,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         prefix = f"spread-{uuid.uuid4().hex[:8]}"
         direct = moto.client()
         for path in files:
-            direct.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+            direct.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(run_dir)}")
         url = f"s3://{BUCKET}/{prefix}/"
         run_bytes = sum(p.stat().st_size for p in files)
         parts = os.environ.get("CHKQ_UPLOAD_PART_BYTES", "16 MiB")
@@ -179,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             label += " --verify-data" if verify else ""
             shown.append((label, count))
             seconds, moved, peaks, done = [], [], [], {}
-            with nodes(count, root, env) as scratches:
+            small = run_bytes // 4 >> 20 if args.gzip and label != "one node" else 0
+            with nodes(count, root, env, small) as scratches:
                 for _ in range(args.repeat + 1):
                     with contextlib.suppress(Exception):
                         direct.delete_object(Bucket=BUCKET, Key=f"{prefix}/{MODEL}.h5")

@@ -111,7 +111,8 @@ VARIABLES: tuple[Variable, ...] = (
     Variable("CHKQ_SPREAD_BYTES", "spread_bytes", GiB, "integer",
              "a store run of at least this many bytes (or one too big for the staging worker's "
              "scratch) is spread over every node, its output assembled in the store, where "
-             "the store and the run allow it; 0: whenever they do", "1 GiB"),
+             "the store and the run allow it (a run with compressed datasets only when it is "
+             "too big for that scratch); 0: whenever they do", "1 GiB"),
     *CORE_VARIABLES,
     Variable("CHKQ_FLOWER_BASIC_AUTH", "flower_basic_auth", None, "text",
              "`user:password[,user2:password2]` for `chkq flower`; required beyond loopback",
@@ -217,7 +218,8 @@ class Settings:
         not fit in the staging worker's scratch, is spread over every node
         (``CHKQ_SPREAD_BYTES``, default 1 GiB): its output is assembled in the
         store from parts, where the store can (a local directory, S3, GCS)
-        and the run's rows are all plain chunk bytes in one store.
+        and the run's rows are all of a fixed-size type in one store (a run
+        with compressed datasets only when it does not fit).
     broker_heartbeat
         AMQP heartbeat in seconds (``CHKQ_BROKER_HEARTBEAT``, default 20),
         used when the broker is RabbitMQ (``amqp://``): RabbitMQ closes the

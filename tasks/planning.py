@@ -63,7 +63,7 @@ from chkq.tasks.from_store import (
 )
 from chkq.tasks.parties import authorize_plan
 from chkq.tasks.state import records, worker_roots
-from chkq.tasks.store_parts import launch_parts
+from chkq.tasks.store_parts import launch_parts, lay_out_filtered
 
 log = logging.getLogger("chkq.tasks")
 
@@ -115,6 +115,9 @@ def plan_job(self: ChkqTask, out_dir: str, model: str, job: str,
                 f"job {job} cannot be spread over the nodes, as its size asked: {why}; "
                 "nothing was published (a run this large is consolidated on one node only "
                 "if CHKQ_SPREAD_BYTES is above its size and it fits in that node's scratch)")
+        if spread:
+            assert in_store is not None
+            lay_out_filtered(prepared, in_store)
         plan = records().store_plan(prepared)
         _warn_long_tasks(plan, rates, settings.soft_time_limit)
     if spread:

@@ -13,8 +13,8 @@ import logging
 import h5py
 
 from chkq.config.celery_app import get_settings
-from chkq.consolidation.mirror import METADATA_BLOCK, METADATA_BLOCKS
-from chkq.consolidation.output_parts import template_refusal
+from chkq.consolidation.mirror import LIST_BLOCK_BYTES, LIST_CACHE_BYTES
+from chkq.consolidation.output_parts import filtered_datasets, template_refusal
 from chkq.errors import OutputWriteError
 from chkq.staging import StoreRun, check_room
 from chkq.staging.listing import checkpoint_member
@@ -30,10 +30,15 @@ def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
     Only a run of plain objects (a log's checkpoints are delta-compressed:
     no byte of them is a row) published to the store it is in, whose store
     takes parts from many nodes, whose template's extensible datasets are
-    all raw (read from its metadata), and which is at least
-    ``CHKQ_SPREAD_BYTES`` or does not fit in this worker's scratch. A store
+    all of a fixed-size type, raw or filtered (read from its metadata), and
+    which is at least ``CHKQ_SPREAD_BYTES`` or does not fit in this worker's scratch. A store
     that cannot copy ranges itself (GCS) is spread only when the run does
-    not fit: every byte then passes through the nodes, once each.
+    not fit: every byte then passes through the nodes, once each. So is a
+    run with filtered datasets: whether its chunks can be copied as they
+    are stored (each file's rows starting on the output's chunk grid) is
+    learnt only once planned, and a run whose chunks must almost all be
+    encoded again cannot be spread (the staging node would encode them),
+    where one node consolidates it when it fits.
     """
     settings = get_settings()
     if run.run_id is not None or destination[0] != run.store_url or not run.objects:
@@ -50,12 +55,20 @@ def spread_over_nodes(run: StoreRun, destination: tuple[str, str]) -> bool:
     numbered = [(checkpoint_member(run.model, o.name) or (0, False))[0] for o in run.objects]
     last = max(numbered)
     template = next(o for o, n in zip(run.objects, numbered, strict=True) if n == last)
+    filtered: list[str] = []
     try:
-        with h5py.File(ObjectFile(store, template.key, block_size=METADATA_BLOCK,
-                                  cache_blocks=METADATA_BLOCKS), "r") as f:
+        with h5py.File(ObjectFile(store, template.key, block_size=LIST_BLOCK_BYTES,
+                                  cache_blocks=LIST_CACHE_BYTES // LIST_BLOCK_BYTES), "r") as f:
             why = template_refusal(f)
+            filtered = filtered_datasets(f) if why is None and fits else []
     except (OSError, ValueError, KeyError) as exc:
         why = f"its template {run.url_of(template.name)} cannot be read in place ({exc})"
+    if filtered:
+        # Only the plan knows whether the files' chunks line up with the output's (else
+        # they are encoded again, on the staging node, up to a bound): a run this node can
+        # consolidate is not risked on it.
+        why = (f"dataset /{filtered[0]} is filtered, and a filtered run is spread only when "
+               "it does not fit in one node's scratch")
     if why is not None:
         log.info("store run %s is consolidated on one node: %s", run.source, why)
         return False

@@ -43,6 +43,7 @@ from celery.exceptions import Ignore
 from chkq.config.celery_app import get_app, get_settings
 from chkq.consolidation.checkpoint_files import stored_chunks
 from chkq.consolidation.copy_rows import open_source
+from chkq.consolidation.encoded_parts import write_chunks
 from chkq.consolidation.output_check import check_plan_output
 from chkq.consolidation.output_parts import (
     SKELETON,
@@ -133,7 +134,8 @@ def _skeleton_bytes(plan: Plan, pieces: list[Piece]) -> bytes:
     if total > MAX_RECORDED_SKELETON:
         raise BadCheckpointError(
             f"job {plan.job_id} cannot be spread over the nodes: its output holds {total:,} "
-            f"bytes besides the rows (metadata, fixed datasets), more than the "
+            f"bytes besides the rows (metadata, fixed datasets, filtered chunks encoded "
+            f"again), more than the "
             f"{MAX_RECORDED_SKELETON:,} a job record carries; nothing was published")
     with plan.open_run() as run:
         fd = run.open_file(plan.job.temp, READ)
@@ -159,6 +161,33 @@ def _source(found: StoreJob, index: int) -> SourceObject:
         raise ForgedRecordError(f"job record {keys.job_record(found.job, 'assembly')} names "
                                 f"object {index} of {len(found.run.objects)}: refused")
     return found.run.objects[index]
+
+
+def lay_out_filtered(plan: Plan, found: StoreJob) -> None:
+    """Write the filtered datasets' chunks into the sparse skeleton, their layout into ``plan``.
+
+    Runs on the staging worker before the plan is recorded: the chunks
+    encoded again read their source chunks from the pinned objects
+    (:func:`chkq.consolidation.encoded_parts.write_chunks`).
+    """
+    if not any(d.mode == "chunks" for d in plan.datasets):
+        return
+    objects = [_source(found, _source_index(found, plan, f)) for f in range(len(plan.files))]
+    store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
+
+    def read(file_index: int, start: int, length: int) -> bytes:
+        obj = objects[file_index]
+        data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start,
+                                      length)
+        if data is None or len(data) != length:
+            raise CheckpointChangedError(
+                f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
+                "planned (replaced, rewritten or deleted in the store): nothing was published")
+        return data
+
+    encoded = write_chunks(plan, read)
+    log.info("job=%s filtered chunks laid out in the skeleton: %d bytes encoded again here",
+             plan.job_id, encoded)
 
 
 def launch_parts(plan: Plan, found: StoreJob) -> None:
@@ -396,8 +425,12 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
     record's (sealed by the planning worker, which checked the skeleton
     against the template before it opened the upload); laid out at their
     offsets in a sparse file in this worker's scratch directory, their chunk
-    index, read through HDF5, must give each raw dataset's planned address
-    for every chunk, of the planned size, unfiltered, with the planned rows;
+    index, read through HDF5, must give each dataset's planned address for
+    every chunk, with the planned rows: a raw dataset's unfiltered, a
+    filtered one's of the planned stored size and filter mask (a moved
+    chunk's are its source's, the piece taken from that source chunk's own
+    address; a chunk encoded again was read back against its source rows
+    before the upload was opened, :mod:`chkq.consolidation.encoded_parts`);
     and the object's first bytes, read back, must be the skeleton's (the
     superblock). With the pieces derived from the sources' own chunk indexes
     and each copy pinned to its source's version, every row then lies where
@@ -432,10 +465,16 @@ def prove_assembled(store: CheckpointStore, key: str, plan: Plan, size: int,
                 if [None if i is None else int(i.byte_offset) for i in found] != d.chunk_offsets:
                     raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} does "
                                               "not place its chunks where they were planned")
-                if (any(i is not None and i.filter_mask for i in found)
-                        or dsid.shape[0] != d.total):
+                if d.mode == "chunks":
+                    stored = [None if i is None else (int(i.size), int(i.filter_mask))
+                              for i in found]
+                    planned = list(zip(d.chunk_sizes, d.chunk_masks, strict=True))
+                else:
+                    stored = [None if i is None else (0, int(i.filter_mask)) for i in found]
+                    planned = [(0, 0)] * len(found)
+                if stored != planned or dsid.shape[0] != d.total:
                     raise OutputMismatchError(f"the assembled {key}'s dataset /{d.name} is not "
-                                              f"{d.total} plain rows")
+                                              f"{d.total} rows stored as planned")
                 checked += len(found)
     return (f"{checked} chunks placed as planned in the metadata the parts were built from "
             f"({len(pieces)} runs), and the superblock read back")

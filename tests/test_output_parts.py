@@ -108,12 +108,13 @@ def test_parts_built_and_copied_by_range_make_the_consolidation(tmp_path: Path,
     assert built == sum(p.length for p in parts if not p.copied)
 
 
-def test_a_filtered_dataset_is_not_assembled_from_parts(tmp_path: Path) -> None:
+def test_a_filtered_dataset_whose_chunks_were_not_laid_out_is_not_assembled(
+        tmp_path: Path) -> None:
     make_run(tmp_path, "run", RunShape(checkpoints=2, compression="gzip"))
     plan = prepare(tmp_path, "run", uuid.uuid4().hex)
-    assert "filtered" in (eligible(plan) or "")
-    with pytest.raises(BadMessageError, match="cannot be assembled from parts"):
-        output_pieces(plan, 1 << 20, [])
+    assert eligible(plan) is None
+    with pytest.raises(BadMessageError, match="chunks were not laid out"):
+        output_pieces(plan, 1 << 20, [[] for _ in plan.datasets])
 
 
 def test_a_parts_record_that_does_not_cover_the_output_is_refused() -> None:

@@ -53,13 +53,15 @@ from chkq.staging.fetching import FETCH_BYTES, changed_error
 from chkq.stores.base import CheckpointStore, ObjectVersion
 from chkq.stores.fileobj import ObjectFile
 
-#: Bytes of one ranged read of an object's metadata, and the reads kept: its nodes lie
-#: among the chunks, a few KiB each, so a larger read moves rows the mirror leaves out.
-METADATA_BLOCK = 64 << 10
-METADATA_BLOCKS = 256
+#: Bytes of each ranged read HDF5's listing of an object makes. The chunk index lies in
+#: blocks scattered among the chunks (one every 1.5 MB of a gzip file's 26 KB chunks): with
+#: reads of 1 MiB, listing a 26 MB gzip object read 19 MB of it, with 64 KiB 1.2 MB, in as
+#: many requests (37); an uncompressed 257 MB one 7.7 MB in 25 requests, 1.1 MB in 34.
+LIST_BLOCK_BYTES = 64 << 10
+#: Bytes of those reads kept (HDF5 reads the same metadata again and again).
+LIST_CACHE_BYTES = 16 << 20
 
-__all__ = ["METADATA_BLOCK", "METADATA_BLOCKS", "MirrorStats", "mirror_object",
-           "raw_chunk_ranges", "raw_chunk_rows", "sealed_mirror"]
+__all__ = ["MirrorStats", "mirror_object", "raw_chunk_ranges", "raw_chunk_rows", "sealed_mirror"]
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,8 @@ _Extent = tuple[int, int, bool]
 
 
 def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = None,
-             every_raw: bool = False) -> tuple[list[_Extent], list[int]]:
+             every_raw: bool = False, every_fixed: bool = False
+             ) -> tuple[list[_Extent], list[int]]:
     """Every stored chunk of every chunked dataset, and where object headers are.
 
     A chunk is a hole when its dataset is extensible along its first axis,
@@ -102,7 +105,8 @@ def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = N
     offsets (the superblock's first) are places no hole may cover; each
     object's attributes are opened too, so that HDF5 reads where they are.
     With ``every_raw``, every chunk of an extensible raw dataset is a hole,
-    whatever its shape or rows.
+    whatever its shape or rows; with ``every_fixed``, every chunk of an
+    extensible dataset of a fixed-size type, filtered or not.
     """
     base = int(fid.get_create_plist().get_userblock())
     headers = [base]
@@ -126,11 +130,12 @@ def _extents(fid: h5f.FileID, url: str, chunk_rows: Mapping[str, int] | None = N
         index = chunk_index(obj, dcpl.get_chunk(), shape)
         maxdims = space.get_simple_extent_dims(True)
         name = raw.decode("utf-8", "surrogateescape")
-        hole = (maxdims[0] == h5s.UNLIMITED and dataset_mode(obj) == "raw"
-                and (every_raw or (
-                    (chunk_rows is None or chunk_rows.get(name) == dcpl.get_chunk()[0])
-                    and plain_chunks(obj, dcpl, shape, obj.get_type().get_size(), index)
-                    is not None)))
+        mode = dataset_mode(obj)
+        hole = maxdims[0] == h5s.UNLIMITED and (
+            (every_fixed and mode != "whole") or (mode == "raw" and (every_raw or (
+                (chunk_rows is None or chunk_rows.get(name) == dcpl.get_chunk()[0])
+                and plain_chunks(obj, dcpl, shape, obj.get_type().get_size(), index)
+                is not None))))
         for info in index.values():
             if info.byte_offset is None or not info.size:
                 continue
@@ -234,7 +239,7 @@ def _open_error(url: str, exc: BaseException) -> BadCheckpointError:
 
 def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: int, *,
                   chunk_rows: Mapping[str, int] | None = None,
-                  every_raw: bool = False) -> MirrorStats:
+                  every_raw: bool = False, every_fixed: bool = False) -> MirrorStats:
     """Write into ``fd`` (an empty file) a sparse copy of the pinned object: all but raw chunks.
 
     The object is opened in place by HDF5 over pinned ranged reads
@@ -245,7 +250,7 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     offset; the file is first truncated to the object's size, so the raw
     chunks are holes (zeros, no blocks). The mirror is then reopened and
     must list the same chunks as the object. Memory is bounded by one fetch,
-    the block cache (16 MiB) and the list of chunk extents.
+    HDF5's block cache (16 MiB) and the list of chunk extents.
 
     ``chunk_rows``: the template's rows per chunk of each raw dataset
     (:func:`raw_chunk_rows` of its mirror, made first). Planning copies a
@@ -258,7 +263,11 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     mirror leaves out all the same, and the copy must read from the object.
     ``every_raw``: leave out every chunk of every extensible raw dataset,
     whatever its shape (for a job that copies rows by range from each
-    file's own chunk index, never through HDF5).
+    file's own chunk index, never through HDF5). ``every_fixed``: leave out
+    every chunk of every extensible dataset of a fixed-size type, filtered
+    ones too (a spread job, whose filtered chunks the store copies as they
+    are stored, and whose few chunks encoded again are fetched apart:
+    :mod:`chkq.consolidation.encoded_parts`).
 
     Nothing is written before the object's chunks are checked; a failure
     after that leaves part of the mirror in ``fd``, which the caller removes.
@@ -279,11 +288,12 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     if os.fstat(fd).st_size:
         raise ValueError(f"the mirror of {url!r} must be written into an empty file")
     source = ObjectFile(store, key, pinned=pinned, changed=changed_error,
-                        block_size=METADATA_BLOCK, cache_blocks=METADATA_BLOCKS)
+                        block_size=LIST_BLOCK_BYTES,
+                        cache_blocks=LIST_CACHE_BYTES // LIST_BLOCK_BYTES)
     try:
         try:
             with h5py.File(source, "r") as f:
-                extents, headers = _extents(f.id, url, chunk_rows, every_raw)
+                extents, headers = _extents(f.id, url, chunk_rows, every_raw, every_fixed)
         except CheckpointChangedError:
             raise
         except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
@@ -304,16 +314,17 @@ def mirror_object(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: i
     if store.get_range_pinned(key, pinned, pinned.size, 1) != b"":
         raise changed_error(url)
     skipped = sum(stop - start for start, stop in holes)
-    _check_mirror(fd, extents, url, chunk_rows, every_raw)
+    _check_mirror(fd, extents, url, chunk_rows, every_raw, every_fixed)
     return MirrorStats(pinned.size, pinned.size - skipped, skipped, digest.hexdigest())
 
 
 def _check_mirror(fd: int, extents: list[_Extent], url: str,
-                  chunk_rows: Mapping[str, int] | None, every_raw: bool) -> None:
+                  chunk_rows: Mapping[str, int] | None, every_raw: bool,
+                  every_fixed: bool = False) -> None:
     """Refuse a mirror that does not list the object's chunks (metadata lost in a hole)."""
     try:
         with h5py.File(fd_path(fd), "r", locking=False) as f:
-            again, _ = _extents(f.id, url, chunk_rows, every_raw)
+            again, _ = _extents(f.id, url, chunk_rows, every_raw, every_fixed)
     except (OSError, RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise CheckpointCorruptionError(
             f"checkpoint object {url!r} is damaged or forged: its mirror cannot be read "
@@ -326,9 +337,12 @@ def _check_mirror(fd: int, extents: list[_Extent], url: str,
 
 def sealed_mirror(store: CheckpointStore, key: str, pinned: ObjectVersion, fd: int
                   ) -> tuple[int, str]:
-    """The mirror a spread job fetches (every raw chunk a hole): bytes fetched and its seal.
+    """The mirror a spread job fetches: bytes fetched and its seal.
+
+    Every chunk of an extensible dataset of a fixed-size type is a hole,
+    raw or filtered.
 
     What :func:`chkq.staging.fetching.fetch_objects` takes as ``mirror``.
     """
-    stats = mirror_object(store, key, pinned, fd, every_raw=True)
+    stats = mirror_object(store, key, pinned, fd, every_raw=True, every_fixed=True)
     return stats.fetched, stats.sha256

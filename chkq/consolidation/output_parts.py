@@ -1,9 +1,11 @@
 """A consolidated output's bytes as parts of an object assembled in a store.
 
-For a plan whose extensible datasets are all copied as raw bytes from the
-sources' plain chunks, the output's layout is fixed once the skeleton is
-written: the skeleton's bytes (metadata, fixed datasets, holes), and over
-them each source's rows at the addresses the skeleton allocated. So the
+For a plan whose extensible datasets are all of a fixed-size type, the
+output's layout is fixed once the skeleton is written: the skeleton's bytes
+(metadata, fixed datasets, filtered chunks encoded again, holes), and over
+them each source's raw rows and moved filtered chunks at the addresses the
+skeleton allocated (:mod:`chkq.consolidation.encoded_parts` lays out the
+filtered ones). So the
 output is a sequence of *pieces* — a range of one source file's bytes, or a
 range of the skeleton's — that any node can produce without the others:
 :func:`output_pieces` lists them from the plan alone, :func:`cut_parts`
@@ -15,6 +17,7 @@ and sent), and :func:`build_part` produces a built part's bytes.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +25,7 @@ import h5py
 from h5py import h5d, h5f
 
 from chkq.consolidation.checkpoint_files import stored_chunks
+from chkq.consolidation.encoded_parts import check_moved, moved_pieces
 from chkq.consolidation.plan import DatasetPlan, Plan
 from chkq.consolidation.skeleton import dataset_mode
 from chkq.errors import BadMessageError
@@ -95,14 +99,14 @@ class OutputPart:
 def eligible(plan: Plan) -> str | None:
     """Why the plan's output cannot be assembled from pieces, or None if it may.
 
-    Every extensible dataset must be copied as raw bytes, with no rows
-    padded; whether each file stores it in plain chunks is learnt from its
-    chunk index (:func:`chunk_maps`).
+    Every extensible dataset must be of a fixed-size type (raw, or filtered:
+    :mod:`chkq.consolidation.encoded_parts` lays out its chunks), with no rows
+    padded; whether each file stores a raw one in plain chunks is learnt
+    from its chunk index (:func:`chunk_maps`).
     """
     for d in plan.datasets:
-        if d.mode != "raw":
-            kind = "filtered" if d.mode == "chunks" else "of variable length"
-            return f"dataset /{d.name} is {kind} (its chunks are encoded again)"
+        if d.mode not in ("raw", "chunks"):
+            return f"dataset /{d.name} is of variable length (its rows go through HDF5)"
         if d.padding:
             return f"dataset /{d.name} has rows padded with its fill value"
     return None
@@ -112,19 +116,32 @@ def template_refusal(template: h5py.File) -> str | None:
     """Why a run with this template cannot be assembled from parts, or None if it may.
 
     Read from the template's metadata only (the first look, before anything
-    is fetched): every extensible dataset must be raw
-    (:func:`chkq.consolidation.skeleton.dataset_mode`); the plan decides the rest
-    (:func:`eligible`).
+    is fetched): every extensible dataset must be of a fixed-size type, raw
+    or filtered (:func:`chkq.consolidation.skeleton.dataset_mode`); the plan
+    decides the rest (:func:`eligible`).
     """
     found: list[str] = []
 
     def visit(name: str, obj: object) -> None:
         if (not found and isinstance(obj, h5py.Dataset) and obj.maxshape
-                and obj.maxshape[0] is None and dataset_mode(obj.id) != "raw"):
-            found.append(f"dataset /{name} is filtered or of variable length")
+                and obj.maxshape[0] is None and dataset_mode(obj.id) == "whole"):
+            found.append(f"dataset /{name} is of variable length")
 
     template.visititems(visit)
     return found[0] if found else None
+
+
+def filtered_datasets(template: h5py.File) -> list[str]:
+    """The template's extensible datasets of a fixed-size type that are filtered (``chunks``)."""
+    found: list[str] = []
+
+    def visit(name: str, obj: object) -> None:
+        if (isinstance(obj, h5py.Dataset) and obj.maxshape and obj.maxshape[0] is None
+                and dataset_mode(obj.id) == "chunks"):
+            found.append(name)
+
+    template.visititems(visit)
+    return found
 
 
 def _grid(d: DatasetPlan) -> tuple[int, int]:
@@ -178,14 +195,25 @@ def chunk_maps(plan: Plan, open_file: Callable[[int], h5f.FileID]) -> list[list[
     """Every file's :func:`chunk_map` of every dataset, ``[dataset][file]``.
 
     ``open_file(index)`` opens file ``index`` of the plan (the caller checks
-    it is the file planned); each is opened once and closed.
+    it is the file planned); each is opened once and closed. A ``chunks``
+    dataset has no map: the chunks the plan moves from each file are checked
+    against the file's chunk index instead
+    (:func:`chkq.consolidation.encoded_parts.check_moved`).
     """
     maps: list[list[list[int]]] = [[] for _ in plan.datasets]
+    claimed = [Counter(d.chunk_files) for d in plan.datasets]
     for f in range(len(plan.files)):
         fid = open_file(f)
         try:
-            for i in range(len(plan.datasets)):
-                maps[i].append(chunk_map(plan, i, f, fid))
+            for i, d in enumerate(plan.datasets):
+                if d.mode == "chunks":
+                    if check_moved(plan, i, f, fid) != claimed[i][f]:
+                        raise BadMessageError(
+                            f"dataset /{d.name}: the plan moves chunks of "
+                            f"{plan.files[f][0]} into rows it does not provide")
+                    maps[i].append([])
+                else:
+                    maps[i].append(chunk_map(plan, i, f, fid))
         finally:
             fid.close()
     return maps
@@ -223,7 +251,9 @@ def _dataset_pieces(d: DatasetPlan, file_index: int, chunks: list[int]) -> list[
 def output_pieces(plan: Plan, size: int, maps: list[list[list[int]]]) -> list[Piece]:
     """Every byte of the ``size``-byte output, in order: source ranges, and the skeleton between.
 
-    ``maps[dataset][file]`` is that file's :func:`chunk_map` of the dataset.
+    ``maps[dataset][file]`` is that file's :func:`chunk_map` of a raw
+    dataset; a ``chunks`` dataset's moved chunks are the plan's
+    (:func:`chkq.consolidation.encoded_parts.moved_pieces`).
 
     Raises
     ------
@@ -231,10 +261,14 @@ def output_pieces(plan: Plan, size: int, maps: list[list[list[int]]]) -> list[Pi
         If the plan is not :func:`eligible`, or its copies overlap or leave the output.
     """
     why = eligible(plan)
+    if why is None:
+        why = next((f"dataset /{d.name}'s chunks were not laid out" for d in plan.datasets
+                    if d.mode == "chunks" and d.total and not d.chunk_files), None)
     if why is not None:
         raise BadMessageError(f"job {plan.job_id}'s output cannot be assembled from parts: {why}")
-    copies = sorted((p for i, d in enumerate(plan.datasets) for f in range(len(plan.files))
-                     for p in _dataset_pieces(d, f, maps[i][f])), key=lambda p: p.offset)
+    copies = sorted([*(p for i, d in enumerate(plan.datasets) if d.mode == "raw"
+                       for f in range(len(plan.files)) for p in _dataset_pieces(d, f, maps[i][f])),
+                     *(Piece(*moved) for moved in moved_pieces(plan))], key=lambda p: p.offset)
     pieces: list[Piece] = []
     at = 0
     for p in copies:

@@ -74,6 +74,9 @@ class DatasetPlan:
         The output's chunk shape (the source's).
     chunk_offsets
         Raw mode: file offset of every chunk, in row-major chunk order.
+        Chunks mode, in a job spread over the nodes only: the same, as the
+        skeleton's chunk index gives it once every chunk is written into it
+        (:mod:`chkq.consolidation.encoded_parts`).
     source_chunks
         Raw mode, by file: the file offsets of the source's chunks in row
         order when they hold plain rows with the output's rows per chunk
@@ -89,6 +92,12 @@ class DatasetPlan:
         ``/data`` is an empty copy of the template's dataset
         (``chkq.consolidation.filter_pipelines.pipeline_image``), in which
         copy tasks encode their chunks; else empty.
+    chunk_sizes, chunk_masks, chunk_files, chunk_starts
+        Chunks mode, in a job spread over the nodes only, for every chunk in
+        row-major order: its stored size and filter mask, and the file
+        (index) whose stored chunk it is, moved unchanged, with that chunk's
+        offset in the file; file -1 (offset 0) for a chunk encoded again by
+        the planning node, whose bytes are the skeleton's.
     """
 
     name: str
@@ -102,6 +111,10 @@ class DatasetPlan:
     source_chunks: list[list[int]] = field(default_factory=list)
     padding: list[list[int]] = field(default_factory=list)
     pipeline: str = ""
+    chunk_sizes: list[int] = field(default_factory=list)
+    chunk_masks: list[int] = field(default_factory=list)
+    chunk_files: list[int] = field(default_factory=list)
+    chunk_starts: list[int] = field(default_factory=list)
 
     @property
     def total(self) -> int:

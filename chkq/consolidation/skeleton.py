@@ -262,7 +262,11 @@ def create_skeleton(temp: Path, reference: Path, rows: dict[str, int], raw: set[
         bounds = format_bounds(source, sorted(raw))
         recreated = {name for name in raw
                      if recreatable(source[name], has_references, bounds)}
-        skip = [r for name in recreated for r in _stored_ranges(source[name].id)]
+        # A sparse skeleton (planned on metadata mirrors) leaves out the template's filtered
+        # chunks too: holes in the mirror, rewritten by the layout of a spread job.
+        encoded = set() if reserve else {name for name in rows if name not in raw
+                                         and dataset_mode(source[name].id) == "chunks"}
+        skip = [r for name in recreated | encoded for r in _stored_ranges(source[name].id)]
         row_bytes = {name: source[name].id.get_type().get_size()
                      * int(np.prod(source[name].shape[1:], dtype=np.int64)) for name in rows}
         meta_block = None if reserve else meta_block_bytes(
