@@ -33,11 +33,16 @@ log = logging.getLogger("chkq.tasks")
 
 def version_signature(out_dir: str, model: str, job: str, through: int,
                       previous: str | None, cleanup: bool = False,
-                      party: dict[str, Any] | None = None) -> Any:
-    """The message of one version: ``chkq.version`` under the job's id, ``chkq.fail`` errback."""
+                      party: dict[str, Any] | None = None, prepare_next: bool = False) -> Any:
+    """The message of one version: ``chkq.version`` under the job's id, ``chkq.fail`` errback.
+
+    ``prepare_next`` (a version that may not be the run's last) travels only when set.
+    """
     kwargs: dict[str, Any] = {"through": through, "previous": previous, "cleanup": cleanup}
     if party is not None:
         kwargs["party"] = party
+    if prepare_next:
+        kwargs["prepare_next"] = True
     return version.si(out_dir, model, job, **kwargs).set(
         task_id=job, link_error=[fail_signature(out_dir, model, job)])
 
@@ -63,15 +68,19 @@ def previous_record(previous: str | None, out_dir: str, model: str) -> dict[str,
 @get_app().task(name="chkq.version", bind=True, base=ChkqTask)
 @job_step
 def version(self: ChkqTask, out_dir: str, model: str, job: str, through: int,
-            previous: str | None = None, cleanup: bool = False, party: Any = None
-            ) -> dict[str, Any]:
-    """Publish the version of ``MODEL.h5`` that holds the checkpoints up to ``through``."""
+            previous: str | None = None, cleanup: bool = False, party: Any = None,
+            prepare_next: bool = False) -> dict[str, Any]:
+    """Publish the version of ``MODEL.h5`` that holds the checkpoints up to ``through``.
+
+    ``prepare_next``: then clone it for the next version, which takes the clone over.
+    """
     if isinstance(through, bool) or not isinstance(through, int):
         raise BadMessageTypeError(f"through must be a checkpoint number, got {through!r}")
     if previous is not None and not isinstance(previous, str):
         raise BadMessageTypeError(f"previous must be a job id, got {previous!r}")
-    if not isinstance(cleanup, bool):
-        raise BadMessageTypeError(f"cleanup must be true or false, got {cleanup!r}")
+    for name, flag in (("cleanup", cleanup), ("prepare_next", prepare_next)):
+        if not isinstance(flag, bool):
+            raise BadMessageTypeError(f"{name} must be true or false, got {flag!r}")
     done = records().finished_result(job)
     if done is not None:
         return done
@@ -82,7 +91,8 @@ def version(self: ChkqTask, out_dir: str, model: str, job: str, through: int,
     result = publish_version(out_dir, model, job, through,
                              previous_record(previous, out_dir, model), cleanup=cleanup,
                              block_bytes=settings.block_bytes,
-                             max_decoded_bytes=settings.max_decoded_bytes)
+                             max_decoded_bytes=settings.max_decoded_bytes,
+                             prepare_next=prepare_next)
     result["seconds"] = round(time.monotonic() - started, 3)
     result.setdefault("warnings", [])
     records().record_finished(job, result)

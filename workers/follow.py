@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from chkq.config.celery_app import get_settings
 from chkq.consolidation.discovery import check_model_name
-from chkq.consolidation.temporaries import JobFiles
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.consolidation.versions import RunProgress, run_progress
 from chkq.errors import BadCheckpointError, ConfigurationError
 from chkq.tasks.parties import plan_credential
@@ -85,11 +85,13 @@ class FollowSummary:
 
 
 def submit_version(model: str, directory: Path, through: int, previous: str | None,
-                   cleanup: bool = False) -> ConsolidationJob:
+                   cleanup: bool = False, prepare_next: bool = False) -> ConsolidationJob:
     """Send the job of the next version (``chkq.version``); return its handle at once.
 
     ``previous``: the job that published the version to extend (None: a
     ``MODEL.h5`` of unknown origin, whose rows the job verifies first).
+    ``prepare_next``: the run goes on, so the job then clones its version for
+    the next one, which waits for its own rows only.
     """
     from chkq.tasks.follow import version_signature
 
@@ -98,7 +100,7 @@ def submit_version(model: str, directory: Path, through: int, previous: str | No
     party = plan_credential(job, str(directory), model, cleanup, False)
     records().record_submitted(job, model, str(directory))
     version_signature(str(directory), model, job, through, previous, cleanup,
-                      party=party).apply_async()
+                      party=party, prepare_next=prepare_next).apply_async()
     return ConsolidationJob.sent(job, JobFiles(directory, model, job), submitted)
 
 
@@ -195,14 +197,17 @@ def following(
         if get_settings().broker_url:
             refuse_if_running(model, str(directory))
         tag = FollowTag(uuid.uuid4().hex, time.time())
+        follow = Follow(model, directory, cleanup, on_version, on_wait, claimed, cluster, tag)
         try:
-            yield Follow(model, directory, cleanup, on_version, on_wait, claimed, cluster, tag)
+            yield follow
         except BaseException as exc:
             # An embedded cluster's records go with it: an interrupted command does not wait
             # on its broker (held, or stopping) to mark an end no one could read.
             if cluster is None or not isinstance(exc, KeyboardInterrupt):
                 tag.end(f"{type(exc).__name__}: {exc}".splitlines()[0])
             raise
+        finally:
+            follow.discard_prepared()
 
 
 @dataclass
@@ -286,7 +291,7 @@ class Follow:
             raise _damaged(progress, self._published)
         through = progress.through
         if through is not None and through > self._published:
-            return self._publish(through)
+            return self._publish(through, ended)
         if ended and progress.waiting:
             raise _damaged(progress, self._published)
         return None
@@ -309,9 +314,18 @@ class Follow:
         self._tag.end("done")
         return self.summary
 
-    def _publish(self, through: int) -> Version:
-        """Publish the version through checkpoint ``through``, waiting for its job."""
-        job = _next(self.model, self.directory, through, self._previous, self._resumed)
+    def discard_prepared(self) -> None:
+        """Remove the clone the last version's job prepared for a next version that never came."""
+        if self._previous is not None:
+            discard_job_files(JobFiles(self.directory, self.model, self._previous))
+
+    def _publish(self, through: int, ended: bool) -> Version:
+        """Publish the version through checkpoint ``through``, waiting for its job.
+
+        ``ended``: the run has ended, so this version is its last and prepares no next one.
+        """
+        job = _next(self.model, self.directory, through, self._previous, self._resumed,
+                    prepare_next=not ended)
         number = len(self.summary.versions) + 1
         self._tag.version(job.id, number, through)
         result = self._wait(job)
@@ -358,8 +372,8 @@ def _damaged(progress: RunProgress, published: int) -> BadCheckpointError:
 
 
 def _next(model: str, directory: Path, through: int, previous: str | None,
-          resumed: bool) -> ConsolidationJob:
+          resumed: bool, prepare_next: bool) -> ConsolidationJob:
     """The job of the next version: a one-shot consolidation first, then extensions."""
     if previous is None and not resumed:
         return submit_consolidation(model, directory, through=through)
-    return submit_version(model, directory, through, previous)
+    return submit_version(model, directory, through, previous, prepare_next=prepare_next)

@@ -57,6 +57,17 @@ class JobFiles:
         return self.out_dir / f"{self.prefix}.h5.tmp"
 
     @property
+    def next_version(self) -> Path:
+        """A followed run's next version, cloned from the one this job published.
+
+        Made as soon as this job's version is published, while the simulation
+        writes its next checkpoint, and taken over by the next version's job,
+        which then extends it: without reflinks, a clone is a copy of the
+        whole file, and the next version then waits only for its own rows.
+        """
+        return self.out_dir / f"{self.prefix}.next.h5.tmp"
+
+    @property
     def pipeline(self) -> Path:
         """Where planning copies a template's dataset to take its pipeline (removed after)."""
         return self.out_dir / f"{self.prefix}.pipeline.h5.tmp"

@@ -20,6 +20,7 @@ verified against its checkpoint before a new version relies on it.
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 from dataclasses import dataclass
@@ -52,9 +53,11 @@ from chkq.consolidation.prepare import (
 from chkq.consolidation.run_scan import find_run, run_files, scan_files
 from chkq.consolidation.skeleton import format_bounds
 from chkq.consolidation.stamps import FileStamp
-from chkq.consolidation.temporaries import discard_job_files
+from chkq.consolidation.temporaries import JobFiles, discard_job_files
 from chkq.errors import FollowError, HistoryChangedError, NoCheckpointsError
 from chkq.rundir import CREATE, READ, RunDir, fd_path
+
+log = logging.getLogger(__name__)
 
 #: The ``kind`` of a version's record (the job's finished result).
 VERSION_KIND = "follow-version"
@@ -135,13 +138,18 @@ def completed_checkpoints(out_dir: str | Path, model: str) -> list[tuple[int, fl
 def publish_version(out_dir: str | Path, model: str, job_id: str, through: int,
                     previous: dict[str, Any] | None, *, cleanup: bool = False,
                     block_bytes: int = DEFAULT_BLOCK_BYTES,
-                    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> dict[str, Any]:
+                    max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+                    prepare_next: bool = False) -> dict[str, Any]:
     """Publish the version of ``DIR/MODEL.h5`` holding checkpoints up to ``through``.
 
     ``previous`` is the record of the version now published (None: unknown,
     see the module's docstring). With ``cleanup`` the checkpoint files the
-    version holds are deleted once it is published. Returns the new
-    version's record (the previous one's, if there is nothing new).
+    version holds are deleted once it is published. With ``prepare_next``
+    (a version that is not the run's last), the published file is then
+    cloned for the next version (:attr:`JobFiles.next_version`), which the
+    next version's job takes over instead of cloning it then, when a reader
+    waits for it. Returns the new version's record (the previous one's, if
+    there is nothing new).
 
     Raises
     ------
@@ -166,6 +174,10 @@ def publish_version(out_dir: str | Path, model: str, job_id: str, through: int,
                           run=(checkpoints, scanned), allow_gaps=True,
                           max_decoded_bytes=max_decoded_bytes, extending=True) as survey:
             record = _publish(survey, through, previous, block_bytes)
+            if prepare_next and record.get("job") == job_id:
+                prepared = _prepare_next(survey)
+                if prepared is not None:
+                    record["next"] = prepared
     except BaseException:
         discard_job_files(job)
         raise
@@ -200,7 +212,7 @@ def _publish(survey: SurveyedRun, through: int, previous: dict[str, Any] | None,
                         "follow stops")
             if first == len(survey.scanned):
                 return previous or _record(survey, through, published, ExtendStats(), 0)
-            stats = _build(survey, out_fd, old, first, block_bytes)
+            stats = _build(survey, out_fd, old, first, block_bytes, _prepared(survey, previous))
         record = _swap_in(survey, out_fd, through, stats, first)
     finally:
         os.close(out_fd)
@@ -240,18 +252,26 @@ def _verify_held(old: h5py.File, survey: SurveyedRun, first: int, block_bytes: i
 
 
 def _build(survey: SurveyedRun, out_fd: int, old: h5py.File, first: int,
-           block_bytes: int) -> ExtendStats:
+           block_bytes: int, prepared: int | None = None) -> ExtendStats:
     """The new version in the job's temporary: cloned, extended, closed and proven.
 
+    ``prepared``: the previous version's clone, taken over as the temporary
+    (:func:`_prepared`), which the proof checks as it checks a fresh clone.
     It is written under the format bounds a one-shot output of the newest
     checkpoint gets (:func:`chkq.consolidation.skeleton.format_bounds`).
     """
     job, rundir = survey.job, survey.rundir
     mode = stat.S_IMODE(os.fstat(out_fd).st_mode)
-    temp_fd = rundir.open_file(job.temp, (CREATE & ~os.O_WRONLY) | os.O_RDWR, mode)
+    if prepared is None:
+        temp_fd = rundir.open_file(job.temp, (CREATE & ~os.O_WRONLY) | os.O_RDWR, mode)
+    else:
+        temp_fd = prepared
     try:
-        os.fchmod(temp_fd, mode)
-        clone = clone_file(out_fd, temp_fd)
+        if prepared is None:
+            os.fchmod(temp_fd, mode)
+            clone = clone_file(out_fd, temp_fd)
+        else:
+            clone = "prepared"
         with h5py.File(fd_path(survey.template), "r") as template:
             libver = format_bounds(template, [d.name for d in survey.datasets])
             with opened_version(job.temp, temp_fd, libver) as new:
@@ -264,6 +284,72 @@ def _build(survey: SurveyedRun, out_fd: int, old: h5py.File, first: int,
     finally:
         os.close(temp_fd)
     return stats
+
+
+def _prepare_next(survey: SurveyedRun) -> dict[str, Any] | None:
+    """Clone the version just published for the next one; return what the next job checks.
+
+    The version is published already: a clone that cannot be made (no room)
+    is removed and left to the next job to make, and this job still succeeds.
+    """
+    job, rundir = survey.job, survey.rundir
+    try:
+        return _clone_published(job, rundir)
+    except OSError as exc:
+        log.warning("the next version of %r was not prepared (%s): its job clones it",
+                    str(job.output), exc)
+        rundir.unlink(job.next_version)
+        return None
+
+
+def _clone_published(job: JobFiles, rundir: RunDir) -> dict[str, Any]:
+    published = rundir.open_file(job.output, READ)
+    try:
+        mode = stat.S_IMODE(os.fstat(published).st_mode)
+        rundir.unlink(job.next_version)
+        next_fd = rundir.open_file(job.next_version, (CREATE & ~os.O_WRONLY) | os.O_RDWR, mode)
+        try:
+            os.fchmod(next_fd, mode)
+            clone = clone_file(published, next_fd)
+            return {"of": FileStamp.of(os.fstat(published)).as_list(),
+                    "stamp": FileStamp.of(os.fstat(next_fd)).as_list(), "clone": clone}
+        finally:
+            os.close(next_fd)
+    finally:
+        os.close(published)
+
+
+def _prepared(survey: SurveyedRun, previous: dict[str, Any] | None) -> int | None:
+    """The previous version's prepared clone, moved to this job's temporary and open; or None.
+
+    Taken only if it is a regular file with the stamp recorded when it was
+    made, of the file published now; anything else is removed and the
+    version clones afresh. What it holds is proven like any clone.
+    """
+    if previous is None or not isinstance(previous.get("next"), dict):
+        return None
+    prepared = previous["next"]
+    try:
+        made_by = JobFiles(survey.job.out_dir, survey.job.model, str(previous.get("job")))
+    except ValueError:
+        return None
+    rundir, job = survey.rundir, survey.job
+    try:
+        now = FileStamp.of(rundir.lstat(job.output)).as_list()
+        fd = rundir.open_file(made_by.next_version, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    held = os.fstat(fd)
+    if (stat.S_ISREG(held.st_mode) and held.st_nlink == 1 and prepared.get("of") == now
+            and prepared.get("stamp") == FileStamp.of(held).as_list()):
+        rundir.rename(made_by.next_version, job.temp)
+        moved = rundir.lstat(job.temp)
+        if (moved.st_dev, moved.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        rundir.unlink(job.temp)
+    os.close(fd)
+    rundir.unlink(made_by.next_version)
+    return None
 
 
 def _swap_in(survey: SurveyedRun, out_fd: int, through: int, stats: ExtendStats,
@@ -289,6 +375,7 @@ def _record(survey: SurveyedRun, through: int, output: FileStamp, stats: ExtendS
     ends = file_ends(survey)
     return {
         "kind": VERSION_KIND,
+        "job": survey.job.job_id,
         "output_stamp": output.as_list(),
         "output": str(survey.job.output),
         "through": through,
