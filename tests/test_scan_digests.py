@@ -128,3 +128,24 @@ def test_a_reused_scan_is_of_the_file_as_it_is_now(tmp_path: Path,
     assert changed[1].stamp != first[1].stamp
     run_scan.scan_files(paths, tmp_path)
     assert opened == [*paths, paths[1], *paths], "without reuse every file is scanned"
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_planning_leaves_the_collector_as_it_found_it(tmp_path: Path, collector_on: bool) -> None:
+    """Planning pauses the cyclic collector; a refused run does not leave it off in the worker."""
+    import gc
+
+    files = make_run(tmp_path, "run", RunShape(checkpoints=3, trials=4))
+    was = gc.isenabled()
+    try:
+        (gc.enable if collector_on else gc.disable)()
+        plan = copied(tmp_path)
+        plan.job.temp.unlink()
+        assert gc.isenabled() is collector_on
+        with h5py.File(files[1], "r+") as f:
+            del f.attrs["trials_completed"]
+        with pytest.raises(ValueError, match=r"run_chk00002.h5.*incomplete"):
+            prepare(tmp_path, "run", uuid.uuid4().hex)
+        assert gc.isenabled() is collector_on
+    finally:
+        (gc.enable if was else gc.disable)()

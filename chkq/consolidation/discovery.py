@@ -43,7 +43,7 @@ class Checkpoint:
     @property
     def is_directory(self) -> bool:
         """Whether the checkpoint is a directory of files, as discovery found it."""
-        return self.files != (self.path,)
+        return len(self.files) != 1 or str(self.files[0]) != str(self.path)
 
 
 def check_model_name(model: str) -> str:

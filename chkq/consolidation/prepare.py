@@ -45,7 +45,13 @@ from chkq.consolidation.plan import (
     cut_verify_units,
 )
 from chkq.consolidation.record_dimensions import padded_offsets, record_padding
-from chkq.consolidation.run_scan import ScannedFile, find_run, run_files, scan_files
+from chkq.consolidation.run_scan import (
+    ScannedFile,
+    collector_paused,
+    find_run,
+    run_files,
+    scan_files,
+)
 from chkq.consolidation.skeleton import create_skeleton, dataset_mode, output_access
 from chkq.consolidation.stamps import open_unchanged
 from chkq.consolidation.temporaries import JobFiles
@@ -240,7 +246,7 @@ def surveyed_run(
             scanned = scan_files(run_files(checkpoints), job.out_dir, rundir, digest=digest)
         else:
             checkpoints, scanned = run
-            if [s.scan.path for s in scanned] != run_files(checkpoints):
+            if [str(s.scan.path) for s in scanned] != [str(p) for p in run_files(checkpoints)]:
                 raise BadMessageError(
                     f"the scans of job {job_id} do not match its checkpoint files")
         scans = [s.scan for s in scanned]
@@ -264,6 +270,7 @@ def surveyed_run(
             os.close(template)
 
 
+@collector_paused()
 def prepare(
     out_dir: str | Path,
     model: str,

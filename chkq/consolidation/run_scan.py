@@ -8,8 +8,11 @@ each (:func:`scan_units`); each records what it found
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,26 @@ SCAN_FILES = 256
 
 #: Scans this process made with ``reuse``, by path and stamp (:func:`scan_files`).
 _SCANNED: LRU[tuple[str, FileStamp], ScannedFile] = LRU(16384)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Hold Python's cyclic garbage collector off while a run's files are scanned or planned.
+
+    Scanning and planning thousands of files allocate a few dozen long-lived
+    objects per file (scans, paths, records, h5py ids), which trigger full
+    collections that walk the worker's whole heap again and again without
+    finding garbage: a tenth of a large run's scan time. Reference counting
+    still frees everything; the collector runs again as soon as the block
+    ends (only if it was on before).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass
@@ -77,6 +100,7 @@ def scan_units(count: int) -> list[tuple[int, int]]:
     return [(first, min(count, first + SCAN_FILES)) for first in range(0, count, SCAN_FILES)]
 
 
+@collector_paused()
 def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
     """A scan unit's result as JSON-ready data, for the job's records.
 
@@ -97,6 +121,7 @@ def scans_to_record(scanned: list[ScannedFile]) -> dict[str, Any]:
     return {"skeletons": skeletons, "files": files}
 
 
+@collector_paused()
 def scans_from_record(record: Any) -> list[ScannedFile]:
     """The scans :func:`scans_to_record` wrote.
 
@@ -177,23 +202,24 @@ def scan_files(paths: list[Path], out_dir: str | Path,
         with RunDir.open(out_dir, exact=True) as opened:
             return scan_files(paths, out_dir, opened, reuse=reuse, digest=digest)
     scanned = []
-    for path in paths:
-        fd = run.open_file(path)
-        try:
-            stamp = stamp_of(path, os.fstat(fd))
-            known = _SCANNED.get((str(path), stamp)) if reuse and digest else None
-            if known is not None:
-                scanned.append(known)
-                continue
-            scan = scan_file(path, fd=fd) if digest else scan_file(path, digest=False, fd=fd)
-            st = os.fstat(fd)
-            check_same(path, stamp, st, "changed while it was being planned")
-        finally:
-            os.close(fd)
-        scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
-        scanned.append(ScannedFile(scan, stamp))
-        if reuse and digest:
-            _SCANNED.put((str(path), stamp), scanned[-1])
+    with collector_paused():
+        for path in paths:
+            fd = run.open_file(path)
+            try:
+                stamp = stamp_of(path, os.fstat(fd))
+                known = _SCANNED.get((str(path), stamp)) if reuse and digest else None
+                if known is not None:
+                    scanned.append(known)
+                    continue
+                scan = scan_file(path, fd=fd) if digest else scan_file(path, digest=False, fd=fd)
+                st = os.fstat(fd)
+                check_same(path, stamp, st, "changed while it was being planned")
+            finally:
+                os.close(fd)
+            scan.access = (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
+            scanned.append(ScannedFile(scan, stamp))
+            if reuse and digest:
+                _SCANNED.put((str(path), stamp), scanned[-1])
     return scanned
 
 
