@@ -311,6 +311,8 @@ def _clone_published(job: JobFiles, rundir: RunDir) -> dict[str, Any]:
         try:
             os.fchmod(next_fd, mode)
             clone = clone_file(published, next_fd)
+            # Flushed now, so that the next version's own flush writes its new rows only.
+            os.fsync(next_fd)
             return {"of": FileStamp.of(os.fstat(published)).as_list(),
                     "stamp": FileStamp.of(os.fstat(next_fd)).as_list(), "clone": clone}
         finally:
