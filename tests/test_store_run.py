@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +42,7 @@ from chkq.staging import (
     find_store_run,
 )
 from chkq.stores import CheckpointStore, LocalDirectoryStore, open_store
+from chkq.stores.objects import ObjectVersion
 from support.plugins.object_stores import BUCKET
 
 SHAPES = {"flat": RunShape(checkpoints=3, trials=20),
@@ -362,17 +363,19 @@ def test_an_object_replaced_during_its_fetch_is_refused(
     found = find_store_run(url, "run")
     victim = "run_chk00002.h5"
     monkeypatch.setattr(fetching, "FETCH_BYTES", 4096)
-    real = type(store).get_range_pinned
-    reads: list[int] = []
+    real = type(store).read_pinned
+    pieces: list[int] = []
 
-    def replacing(self: CheckpointStore, key: str, *args: object) -> bytes | None:
-        if key.endswith(victim):
-            reads.append(1)
-            if len(reads) == 2:
-                put(victim, flipped((original / victim).read_bytes()))
-        return real(self, key, *args)  # type: ignore[arg-type]
+    def replacing(self: CheckpointStore, key: str, pinned: ObjectVersion, piece: int
+                  ) -> Iterator[bytes | None]:
+        for data in real(self, key, pinned, piece):
+            if key.endswith(victim):
+                pieces.append(1)
+                if len(pieces) == 2:
+                    put(victim, flipped((original / victim).read_bytes()))
+            yield data
 
-    monkeypatch.setattr(type(store), "get_range_pinned", replacing)
+    monkeypatch.setattr(type(store), "read_pinned", replacing)
 
     def another_filesystem(*args: object) -> bool:
         raise OSError(errno.EXDEV, "Invalid cross-device link")
@@ -380,10 +383,21 @@ def test_an_object_replaced_during_its_fetch_is_refused(
     monkeypatch.setattr(LocalDirectoryStore, "link_to", another_filesystem)
     into = tmp_path / "fetched"
     into.mkdir()
-    with pytest.raises(CheckpointChangedError, match=victim):
-        fetch_objects(found, found.names, into)
-    assert len(reads) == 2
-    assert list(into.iterdir()) == []
+    if kind == "s3":
+        # One GET streams the object: S3 goes on sending the version it began with, so
+        # the fetch is either refused or the pinned bytes, never a mix of the two.
+        try:
+            fetch_objects(found, found.names, into)
+        except CheckpointChangedError as exc:
+            assert victim in str(exc)
+            assert list(into.iterdir()) == []
+        else:
+            assert (into / victim).read_bytes() == (original / victim).read_bytes()
+    else:
+        with pytest.raises(CheckpointChangedError, match=victim):
+            fetch_objects(found, found.names, into)
+        assert list(into.iterdir()) == []
+    assert len(pieces) >= 2
 
 
 def test_a_local_object_replaced_before_it_is_linked_is_refused(tmp_path: Path) -> None:
