@@ -176,18 +176,22 @@ def lay_out_filtered(plan: Plan, found: StoreJob) -> None:
     store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
 
     def read(file_index: int, start: int, length: int) -> bytes:
-        obj = objects[file_index]
-        data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start,
-                                      length)
-        if data is None or len(data) != length:
-            raise CheckpointChangedError(
-                f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
-                "planned (replaced, rewritten or deleted in the store): nothing was published")
-        return data
+        return _pinned_range(store, found, objects[file_index], start, length)
 
     encoded = write_chunks(plan, read)
     log.info("job=%s filtered chunks laid out in the skeleton: %d bytes encoded again here",
              plan.job_id, encoded)
+
+
+def _pinned_range(store: CheckpointStore, found: StoreJob, obj: SourceObject, start: int,
+                  length: int) -> bytes:
+    """``length`` bytes of the source at ``start``, of its pinned version, or a clear error."""
+    data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start, length)
+    if data is None or len(data) != length:
+        raise CheckpointChangedError(
+            f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
+            "planned (replaced, rewritten or deleted in the store): nothing was published")
+    return data
 
 
 def launch_parts(plan: Plan, found: StoreJob) -> None:
@@ -286,13 +290,7 @@ def _built(found: StoreJob, part: OutputPart, parts: list[OutputPart]) -> bytes:
     store = open_store(found.run.store_url, timeouts=get_settings().core().timeouts)
     fetched: dict[int, list[tuple[int, bytes]]] = {}
     for source, start, length in part_reads(part):
-        obj = _source(found, source)
-        data = store.get_range_pinned(obj.key, ObjectVersion(obj.size, obj.version), start,
-                                      length)
-        if data is None or len(data) != length:
-            raise CheckpointChangedError(
-                f"checkpoint file {found.run.url_of(obj.name)!r} changed since the job was "
-                "planned (replaced, rewritten or deleted in the store): nothing was published")
+        data = _pinned_range(store, found, _source(found, source), start, length)
         fetched.setdefault(source, []).append((start, data))
     skeleton = _recorded_skeleton(found.job, parts) if part.needs_skeleton else None
 
